@@ -1,0 +1,48 @@
+# attn-course: `make lab` starts the course, `make test` runs every test.
+# Both create .venv and install everything on first use.
+#
+# TORCH picks the PyTorch requirement installed with the package. The default is the CPU
+# build pinned for laptops and CI; for a CUDA build use e.g. `make lab TORCH=torch`.
+PYTHON  ?= python3
+VENV    ?= .venv
+TORCH   ?= torch==2.13.0
+# Threads are pinned for tests and regeneration so stored notebook outputs reproduce.
+THREADS ?= 2
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+PINNED := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) ATTN_COURSE_THREADS=$(THREADS)
+
+.PHONY: setup lab test regenerate exercises bench clean
+
+setup: $(STAMP)
+
+# torch is named in the same pip command as the package so pip takes the pinned build
+# instead of resolving `torch>=2.2` to a multi-GB CUDA wheel.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -qq --upgrade pip
+	$(BIN)/pip install -qq "$(TORCH)" -e '.[dev]'
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=. $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_welcome.ipynb
+
+test: $(STAMP)
+	$(PINNED) $(BIN)/python -m pytest tests notebooks solutions \
+		--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+
+regenerate: $(STAMP)
+	$(PINNED) $(BIN)/attn-course regenerate
+
+exercises: $(STAMP)
+	$(BIN)/attn-course make-exercises
+
+bench: $(STAMP)
+	$(BIN)/attn-course bench mha
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,79 @@
+"""The ``attn-course`` command: benchmarks, device info, and course tooling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from .device import describe_device, pick_device
+
+    device = pick_device(args.device)
+    print(f"torch {torch.__version__}; device: {describe_device(device)}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import bench_mha, matmul_gflops
+    from .device import describe_device, pick_device
+
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"device: {describe_device(device)}; torch {torch.__version__}")
+    gflops = matmul_gflops(device=device)
+    print(f"matmul 2048x2048 fp32: {gflops:.1f} GFLOP/s")
+    result: dict[str, object] = {"device": str(device), "matmul_gflops": gflops}
+    if args.target == "mha":
+        r = bench_mha(device=device, batch=args.batch, length=args.length, d_model=args.d_model, num_heads=args.heads)
+        print(
+            f"MultiHeadAttention forward+backward (B={r['batch']}, L={r['length']}, E={r['d_model']}, "
+            f"H={r['num_heads']}):"
+        )
+        print(f"  attn_course.MultiHeadAttention: {r['ours_ms']:8.2f} ms")
+        print(f"  torch.nn.MultiheadAttention:    {r['torch_ms']:8.2f} ms")
+        print(f"  ratio ours/torch: {r['ratio']:.3f}x (target <= 1.15x)")
+        result["mha"] = r
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attn-course", description="Tools for the attn-course notebooks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="print torch version and the device the course will use")
+    info.add_argument("--device", default=None)
+    info.set_defaults(func=_cmd_info)
+
+    bench = sub.add_parser("bench", help="run a benchmark and print measured figures")
+    bench.add_argument("target", choices=["mha"], help="what to benchmark")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    bench.add_argument("--batch", type=int, default=8)
+    bench.add_argument("--length", type=int, default=256)
+    bench.add_argument("--d-model", type=int, default=256)
+    bench.add_argument("--heads", type=int, default=8)
+    bench.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Every bad input gets a TypeError / ValueError that names expected and actual, with a hint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn_course as ac
+
+q4 = torch.randn(2, 4, 6, 8)  # (B, H, L, D)
+k4 = torch.randn(2, 4, 7, 8)  # (B, H, S, D)
+v4 = torch.randn(2, 4, 7, 8)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,pattern",
+    [
+        ((q4.numpy(), k4, v4), {}, TypeError, r"q must be a torch.Tensor, got ndarray"),
+        ((q4, k4, v4.long()), {}, TypeError, r"v must be a floating-point tensor, got dtype torch.int64"),
+        ((q4, k4.double(), v4), {}, TypeError, r"one dtype, got q torch.float32, k torch.float64"),
+        ((torch.randn(3), k4, v4), {}, ValueError, r"at least 2 dims, got shape \(3\)"),
+        ((q4, torch.randn(2, 4, 7, 5), v4), {}, ValueError, r"same last dim D.*\(2, 4, 6, 8\).*\(2, 4, 7, 5\)"),
+        ((q4, k4, torch.randn(2, 4, 5, 8)), {}, ValueError, r"same number of keys S.*\(2, 4, 7, 8\).*\(2, 4, 5, 8\)"),
+        # (B, L, H, D) given where (B, H, L, D) is expected: the hint names the transpose.
+        ((q4, torch.randn(2, 7, 4, 8), torch.randn(2, 7, 4, 8)), {}, ValueError, r"transpose\(1, 2\)"),
+        ((q4, k4, v4, torch.ones(6, 7, dtype=torch.int64)), {}, TypeError, r"bool \(True = may attend\).*int64.*from_blocked_mask"),
+        ((q4, k4, v4, torch.ones(7, 6, dtype=torch.bool)), {}, ValueError, r"\(7, 6\) does not broadcast.*\(2, 4, 6, 7\).*swapped"),
+        ((q4, k4, v4, torch.ones(2, 7, dtype=torch.bool)), {}, ValueError, r"\(B, S\) padding mask needs mask\[:, None, None, :\]"),
+        ((q4, k4, v4, torch.ones(2, 6, 7, dtype=torch.bool)), {}, ValueError, r"\(B, L, S\) mask needs mask\[:, None\]"),
+        ((q4, k4, v4), {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+        ((q4, k4, v4), {"fused": True, "return_weights": True}, ValueError, r"fused kernel never forms the weights"),
+        ((q4, k4, v4, "causal"), {}, TypeError, r"mask must be a torch.Tensor or None, got str"),
+    ],
+    ids=[
+        "numpy-input",
+        "int-values",
+        "dtype-mismatch",
+        "1d-query",
+        "head-dim-mismatch",
+        "key-value-length",
+        "BLHD-vs-BHLD",
+        "int-mask",
+        "swapped-mask",
+        "padding-mask-not-expanded",
+        "BLS-mask",
+        "dropout-range",
+        "fused-with-weights",
+        "string-mask",
+    ],
+)
+def test_sdpa_bad_inputs(args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        ac.scaled_dot_product_attention(*args, **kwargs)
+
+
+def test_mha_constructor_errors():
+    with pytest.raises(ValueError, match=r"d_model=10 is not divisible by num_heads=3.*one of \[1, 2, 5, 10\]"):
+        ac.MultiHeadAttention(10, 3)
+    with pytest.raises(ValueError, match=r"num_heads must be a positive int, got 0"):
+        ac.MultiHeadAttention(8, 0)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
+        ac.MultiHeadAttention(8, 2, dropout=1.5)
+
+
+@pytest.mark.parametrize(
+    "make_input,kwargs,error,pattern",
+    [
+        (lambda: torch.randn(5, 16), {}, ValueError, r"batch-first \(B, L, E\), got shape \(5, 16\).*unsqueeze\(0\)"),
+        (lambda: torch.randn(2, 5, 12), {}, ValueError, r"16 features in its last dim \(B, L, 16\), got shape \(2, 5, 12\)"),
+        (lambda: torch.randn(5, 16, 2), {}, ValueError, r"\(L, B, E\) or \(B, E, L\)"),
+        (lambda: torch.randn(2, 5, 16, dtype=torch.float64), {}, TypeError, r"dtype torch.float64 but the module's weights are torch.float32"),
+        (lambda: torch.randn(3, 5, 16), {"mask": torch.ones(3, 5, dtype=torch.bool)}, ValueError, r"padding mask use mask\[:, None, None, :\]"),
+        (lambda: [[1.0]], {}, TypeError, r"query must be a torch.Tensor, got list"),
+    ],
+    ids=["unbatched", "wrong-E", "seq-first", "dtype", "padding-mask-BS", "list"],
+)
+def test_mha_forward_errors(make_input, kwargs, error, pattern):
+    mha = ac.MultiHeadAttention(16, 4)
+    with pytest.raises(error, match=pattern):
+        mha(make_input(), **kwargs)
+
+
+def test_mha_key_value_mismatch():
+    mha = ac.MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match=r"same batch size B: got 2, 3, 3"):
+        mha(x, torch.randn(3, 5, 16))
+    with pytest.raises(ValueError, match=r"same length S"):
+        mha(x, torch.randn(2, 5, 16), torch.randn(2, 6, 16))
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        (lambda: ac.causal_mask(0), ValueError, r"L must be >= 1, got 0"),
+        (lambda: ac.causal_mask(3.0), TypeError, r"L must be an int, got float"),
+        (lambda: ac.padding_mask([[1, 2]]), ValueError, r"1-D with shape \(B,\), got shape \(1, 2\)"),
+        (lambda: ac.padding_mask([3, 5], max_len=4), ValueError, r"a length \(5\) exceeds max_len \(4\)"),
+        (lambda: ac.padding_mask([-1]), ValueError, r"lengths must be >= 0"),
+        (lambda: ac.padding_mask(torch.tensor([1.5])), TypeError, r"must hold integers"),
+        (lambda: ac.mask_to_bias(torch.ones(2, 2)), TypeError, r"boolean mask \(True = may attend\), got torch.float32"),
+        (lambda: ac.mask_to_bias(torch.ones(2, 2, dtype=torch.bool), torch.int32), TypeError, r"floating point"),
+        (
+            lambda: ac.combine_masks(torch.ones(2, 3, dtype=torch.bool), torch.ones(4, 1, 1, dtype=torch.bool)[:, :, :2].expand(4, 5, 2)),
+            ValueError,
+            r"cannot combine masks of shapes \(2, 3\) and \(4, 5, 2\)",
+        ),
+        (lambda: ac.combine_masks(torch.ones(2, 2)), TypeError, r"argument 0 is torch.float32"),
+        (lambda: ac.from_blocked_mask(torch.ones(2, dtype=torch.int64)), TypeError, r"got dtype torch.int64"),
+        (lambda: ac.pick_device("quantum"), RuntimeError, r"quantum"),
+        (lambda: ac.seed_everything("0"), TypeError, r"seed must be an int, got str"),
+    ],
+)
+def test_helper_errors(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_pick_device_unavailable_names_available():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: nothing unavailable to ask for")
+    with pytest.raises(ValueError, match=r"'cuda' is not available here; available: \[.*'cpu'\]"):
+        ac.pick_device("cuda")
