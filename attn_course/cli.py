@@ -49,6 +49,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_exercises(args: argparse.Namespace) -> int:
+    from .notebooks import make_exercises
+
+    for path in make_exercises():
+        print(f"wrote {path}")
+    return 0
+
+
+def _notebook_paths(given: list[str]) -> list:
+    from pathlib import Path
+
+    from .course import project_root
+
+    if given:
+        return [Path(p).resolve() for p in given]
+    root = project_root()
+    return sorted((root / "notebooks").glob("*.ipynb")) + sorted((root / "solutions").glob("*.ipynb"))
+
+
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    from .notebooks import make_exercises, regenerate
+
+    paths = _notebook_paths(args.paths)
+    for path, seconds in regenerate(paths):
+        print(f"{seconds:6.1f} s  {path}")
+    if not args.paths:
+        for path in make_exercises():
+            print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attn-course", description="Tools for the attn-course notebooks.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--heads", type=int, default=8)
     bench.add_argument("--json", default=None, help="also write the figures to this JSON file")
     bench.set_defaults(func=_cmd_bench)
+
+    exercises = sub.add_parser("make-exercises", help="regenerate exercises/ from solutions/")
+    exercises.set_defaults(func=_cmd_make_exercises)
+
+    regen = sub.add_parser(
+        "regenerate", help="re-execute notebooks in place (default: all lessons and solutions, then exercises)"
+    )
+    regen.add_argument("paths", nargs="*", help="notebooks to execute (default: notebooks/*.ipynb solutions/*.ipynb)")
+    regen.set_defaults(func=_cmd_regenerate)
     return parser
 
 

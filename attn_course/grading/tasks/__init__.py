@@ -1,0 +1,20 @@
+"""Every graded task, by id. Each lesson's tasks live in ``lessonNN.py``."""
+
+from __future__ import annotations
+
+from ..core import Task
+from . import lesson03
+
+__all__ = ["TASKS", "tasks_for_lesson"]
+
+TASKS: dict[str, Task] = {
+    task.id: task
+    for task in (
+        lesson03.CAUSAL_MASK,
+    )
+}
+
+
+def tasks_for_lesson(number: str) -> list[Task]:
+    """The tasks of lesson ``number`` (e.g. ``"03"``), in definition order."""
+    return [task for task in TASKS.values() if task.id.split(".")[0] == number]

@@ -1,0 +1,96 @@
+"""Notebook tooling: generate exercises from solutions, re-execute notebooks in place.
+
+* ``make_exercise(solution)``: every code cell's ``### BEGIN SOLUTION`` ... ``### END SOLUTION``
+  block becomes a stub that raises ``NotImplementedError``; outputs are cleared.
+* ``regenerate(paths)``: executes notebooks top to bottom in a fresh kernel and stores the
+  outputs without timestamps, so the committed files only change when results do.
+
+Used by ``attn-course make-exercises`` and ``attn-course regenerate``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from pathlib import Path
+
+import nbformat
+
+from .course import project_root
+
+__all__ = ["strip_solutions", "make_exercise", "make_exercises", "regenerate", "exercise_is_current"]
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+STUB = 'raise NotImplementedError("Your code here: replace this line with your solution.")'
+_BLOCK = re.compile(rf"^([ \t]*){re.escape(BEGIN)}[^\n]*\n.*?^[ \t]*{re.escape(END)}[^\n]*$", re.M | re.S)
+
+
+def strip_solutions(source: str) -> str:
+    """Replace each marked solution block with an indented ``NotImplementedError`` stub."""
+    if source.count(BEGIN) != source.count(END):
+        raise ValueError(f"unbalanced solution markers in cell:\n{source}")
+    return _BLOCK.sub(lambda m: f"{m.group(1)}{STUB}", source)
+
+
+def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The exercise version of a solution notebook: solutions stubbed, outputs cleared."""
+    exercise = copy.deepcopy(solution)
+    for cell in exercise.cells:
+        if cell.cell_type == "markdown":
+            cell.source = cell.source.replace("/solutions/", "/exercises/")
+        if cell.cell_type != "code":
+            continue
+        cell.source = strip_solutions(cell.source)
+        cell.outputs = []
+        cell.execution_count = None
+    exercise.metadata.pop("widgets", None)
+    return exercise
+
+
+def _write(nb: nbformat.NotebookNode, path: Path) -> None:
+    path.write_text(nbformat.writes(nb) + "\n")
+
+
+def exercise_is_current(solution_path: Path, exercise_path: Path) -> bool:
+    """True when ``exercise_path`` is exactly what ``make_exercise`` produces from the solution."""
+    if not exercise_path.exists():
+        return False
+    expected = nbformat.writes(make_exercise(nbformat.read(solution_path, as_version=4))) + "\n"
+    return exercise_path.read_text() == expected
+
+
+def make_exercises(root: Path | None = None) -> list[Path]:
+    """Regenerate ``exercises/`` from ``solutions/``; return the files written."""
+    root = root or project_root()
+    written = []
+    for solution_path in sorted((root / "solutions").glob("*.ipynb")):
+        exercise_path = root / "exercises" / solution_path.name
+        exercise = make_exercise(nbformat.read(solution_path, as_version=4))
+        _write(exercise, exercise_path)
+        written.append(exercise_path)
+    return written
+
+
+def regenerate(paths: list[Path], *, timeout: int = 600) -> list[tuple[Path, float]]:
+    """Execute each notebook in place in a fresh kernel (cwd = its folder); return runtimes in s."""
+    from nbclient import NotebookClient
+
+    results = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        client = NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+            record_timing=False,
+            allow_error_names=["NotImplementedError"] if path.parent.name == "exercises" else [],
+        )
+        start = time.perf_counter()
+        client.execute()
+        seconds = time.perf_counter() - start
+        _write(nb, path)
+        results.append((path, seconds))
+    return results
