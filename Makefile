@@ -24,7 +24,6 @@ setup: $(STAMP)
 # instead of resolving `torch>=2.2` to a multi-GB CUDA wheel.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -qq --upgrade pip
 	$(BIN)/pip install -qq "$(TORCH)" -e '.[dev]'
 	touch $(STAMP)
 

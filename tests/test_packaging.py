@@ -28,7 +28,8 @@ def test_environment_yml_matches_pyproject():
     wanted = _requirement_names(project["dependencies"] + project["optional-dependencies"]["dev"])
     wanted = {CONDA_NAMES.get(name, name): spec for name, spec in wanted.items()}
     conda = {}
-    for line in (ROOT / "environment.yml").read_text().splitlines():
+    text = (ROOT / "environment.yml").read_text()
+    for line in text.split("dependencies:", 1)[1].splitlines():
         match = re.match(r"^\s*-\s+([A-Za-z0-9_.\-]+)([<>=!].*)?$", line)
         if match and match.group(1) not in ("python", "pip") and not match.group(1).startswith("-"):
             conda[match.group(1).lower()] = (match.group(2) or "").strip()
