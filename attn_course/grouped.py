@@ -1,0 +1,351 @@
+"""Multi-query and grouped-query attention: fewer key/value heads than query heads.
+
+Multi-head attention gives every query head its own key and value head. During decoding
+the keys and values of every past token are kept in a KV cache (``attn_course.kv_cache``),
+and that cache, not the arithmetic, is what limits long generations. Two fixes share K/V
+heads between query heads:
+
+* **multi-query attention** (MQA; Shazeer, 2019): one K/V head for all ``H`` query heads;
+* **grouped-query attention** (GQA; Ainslie et al., 2023): ``num_kv_heads`` K/V heads, each
+  shared by a group of ``G = num_heads // num_kv_heads`` consecutive query heads.
+
+Both are one module here: ``num_kv_heads=1`` is MQA, ``num_kv_heads=num_heads`` is ordinary
+multi-head attention. Query head ``h`` reads K/V head ``h // G``, which is what
+``repeat_kv`` (``repeat_interleave`` along the head axis) spells out; the module gets the
+same numbers without copying K or V, by folding the G query heads of a group into the
+query axis.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, L query length,
+S key length, D head dim, E model dim. Masks: bool, True = may attend.
+
+Taught in lesson 11 (dynamic heads and beyond).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ._checks import check_mask, check_tensor, shape_str
+from .attention import scaled_dot_product_attention
+from .masks import causal_mask
+from .multihead import MultiHeadAttention, merge_heads, split_heads
+
+__all__ = [
+    "GroupedQueryAttention",
+    "grouped_attention",
+    "repeat_kv",
+    "kv_cache_bytes",
+    "compare_kv_cache_memory",
+]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(B, Hkv, S, D)`` -> ``(B, Hkv * groups, S, D)``: each K/V head repeated for its query group.
+
+    ``repeat_interleave`` puts the copies of head 0 first (heads 0, 0, 1, 1, ... for
+    ``groups=2``), so query head ``h`` meets K/V head ``h // groups``. This materialises the
+    copies; it is the reference that ``grouped_attention`` is tested against.
+    """
+    check_tensor("x", x, min_dim=1)
+    if x.dim() != 4:
+        raise ValueError(f"x must be (B, Hkv, S, D), got shape {shape_str(x.shape)}")
+    groups = _positive_int("groups", groups)
+    return x.repeat_interleave(groups, dim=1)  # (B, Hkv * groups, S, D)
+
+
+def _fold_mask(mask: torch.Tensor, *, B: int, H: int, L: int, S: int, num_kv_heads: int) -> torch.Tensor:
+    """A mask broadcastable to ``(B, H, L, S)`` -> ``(B or 1, Hkv, G * L, S)``, matching folded queries."""
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (b, h, l, s), each 1 or full size
+    mask = mask.expand(mask.shape[0], H, L, S)  # (b, H, L, S), a view
+    return mask.reshape(mask.shape[0], num_kv_heads, (H // num_kv_heads) * L, S)  # (b, Hkv, G * L, S)
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    fused: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention where ``H`` query heads share ``Hkv`` key/value heads (``Hkv`` divides ``H``).
+
+    Args:
+        q: queries ``(B, H, L, D)``.
+        k: keys ``(B, Hkv, S, D)``.
+        v: values ``(B, Hkv, S, Dv)``.
+        mask: bool (True = may attend) or float (additive), broadcastable to ``(B, H, L, S)``.
+        is_causal: top-left aligned causal mask, as in ``scaled_dot_product_attention``.
+        scale, dropout_p, return_weights, fused: as in
+            ``attn_course.scaled_dot_product_attention``.
+
+    Returns:
+        ``out`` ``(B, H, L, Dv)``, or ``(out, weights)`` with weights ``(B, H, L, S)``.
+        Equal to ``scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G))``.
+
+    How: the G query heads of a group all read the same keys and values, so they are just
+    G times more queries for that K/V head. We fold them into the query axis,
+    ``(B, H, L, D) -> (B, Hkv, G * L, D)``, and run ordinary attention against the
+    ``Hkv`` K/V heads as they are -- K and V are never copied.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, min_dim=1)
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, heads, length, D), got shape {shape_str(x.shape)}")
+    B, H, L, D = q.shape
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"k and v must have the same number of heads Hkv: k {shape_str(k.shape)}, v {shape_str(v.shape)}"
+        )
+    num_kv_heads = k.shape[1]
+    if H % num_kv_heads != 0:
+        raise ValueError(
+            f"the {H} query heads cannot be split evenly over {num_kv_heads} key/value heads: num_heads must be a "
+            f"multiple of num_kv_heads (q {shape_str(q.shape)}, k {shape_str(k.shape)})"
+        )
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(
+            f"q, k and v must share the batch size B: q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
+            f"v {shape_str(v.shape)}"
+        )
+    groups = H // num_kv_heads
+    S = k.shape[2]
+    if mask is not None:
+        mask = check_mask(mask, (B, H, L, S), device=q.device)
+    if is_causal:
+        # Folding G heads into the query axis would shift a top-left causal mask between
+        # heads, so the causal pattern is written out per head before folding.
+        causal = causal_mask(L, S, device=q.device)  # (L, S)
+        if mask is None:
+            mask = causal
+        elif mask.dtype == torch.bool:
+            mask = mask & causal  # (..., L, S)
+        else:
+            mask = mask.masked_fill(~causal, float("-inf"))  # (..., L, S)
+    if mask is not None:
+        mask = _fold_mask(mask, B=B, H=H, L=L, S=S, num_kv_heads=num_kv_heads)  # (B or 1, Hkv, G * L, S)
+    q_folded = q.reshape(B, num_kv_heads, groups * L, D)  # (B, Hkv, G * L, D); query head h = kv * G + g
+    attended = scaled_dot_product_attention(
+        q_folded,
+        k,
+        v,
+        mask,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        fused=fused,
+    )
+    if return_weights:
+        out, weights = attended  # (B, Hkv, G * L, Dv), (B, Hkv, G * L, S)
+        return out.reshape(B, H, L, -1), weights.reshape(B, H, L, S)  # (B, H, L, Dv), (B, H, L, S)
+    return attended.reshape(B, H, L, -1)  # (B, H, L, Dv)
+
+
+class GroupedQueryAttention(MultiHeadAttention):
+    """Grouped-query attention (Ainslie et al., 2023); MQA when ``num_kv_heads=1``.
+
+    A ``MultiHeadAttention`` whose key and value projections produce ``num_kv_heads`` heads
+    of size ``head_dim = d_model // num_heads`` instead of ``num_heads``: ``k_proj`` and
+    ``v_proj`` map to ``num_kv_heads * head_dim`` features. The query and output projections,
+    ``forward``'s arguments and the returned shapes are those of ``MultiHeadAttention``.
+
+    Args:
+        d_model: model dim E.
+        num_heads: query heads H; must divide ``d_model``.
+        num_kv_heads: key/value heads Hkv; must divide ``num_heads``. ``None`` (the default)
+            means ``num_heads``: plain multi-head attention.
+        bias, dropout, kdim, vdim, fused, device, dtype: as in ``MultiHeadAttention``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        bias: bool = True,
+        dropout: float = 0.0,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        fused: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            d_model, num_heads, bias=bias, dropout=dropout, kdim=kdim, vdim=vdim, fused=fused, device=device, dtype=dtype
+        )
+        num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            choices = [h for h in range(1, num_heads + 1) if num_heads % h == 0]
+            raise ValueError(
+                f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}: every key/value head "
+                f"serves the same number of query heads, so num_kv_heads must be one of {choices}"
+            )
+        self.num_kv_heads = num_kv_heads
+        self.groups = num_heads // num_kv_heads
+        factory = {"device": device, "dtype": dtype}
+        kv_features = num_kv_heads * self.head_dim
+        # Replace the parent's (E -> E) key/value projections by narrower ones.
+        self.k_proj = nn.Linear(self.kdim, kv_features, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, kv_features, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dropout={self.dropout}"
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``query`` ``(B, L, E)`` to ``key``/``value`` ``(B, S, kdim/vdim)``.
+
+        Same contract as ``MultiHeadAttention.forward``: returns ``out`` ``(B, L, E)``, or
+        ``(out, weights)`` with per-query-head weights ``(B, H, L, S)``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
+        k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, S, D)
+        v = split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, S, D)
+        attended = grouped_attention(
+            q,
+            k,
+            v,
+            mask,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=need_weights,
+            fused=None if self.fused else False,
+        )
+        context, weights = attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S)
+        out = self.out_proj(merge_heads(context))  # (B, L, E)
+        return (out, weights) if need_weights else out
+
+    @classmethod
+    def from_multihead(cls, module: MultiHeadAttention, num_kv_heads: int) -> GroupedQueryAttention:
+        """Convert a trained ``MultiHeadAttention`` to GQA by mean-pooling its K/V heads per group.
+
+        This is the checkpoint conversion of Ainslie et al. (2023): the key (and value)
+        projection of each group is the mean of the projections of the heads in it; the query
+        and output projections are copied. Exact when the heads of a group were already equal,
+        an approximation to fine-tune ("uptrain") from otherwise.
+        """
+        if not isinstance(module, MultiHeadAttention) or isinstance(module, GroupedQueryAttention):
+            raise TypeError(f"from_multihead expects a MultiHeadAttention, got {type(module).__name__}")
+        weight = module.q_proj.weight
+        has_bias = module.q_proj.bias is not None
+        new = cls(
+            module.d_model,
+            module.num_heads,
+            num_kv_heads,
+            bias=has_bias,
+            dropout=module.dropout,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            fused=module.fused,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        D, groups = new.head_dim, new.groups
+        with torch.no_grad():
+            new.q_proj.load_state_dict(module.q_proj.state_dict())
+            new.out_proj.load_state_dict(module.out_proj.state_dict())
+            for name in ("k_proj", "v_proj"):
+                source, target = getattr(module, name), getattr(new, name)
+                w = source.weight.view(num_kv_heads, groups, D, source.in_features)  # (Hkv, G, D, in)
+                target.weight.copy_(w.mean(dim=1).reshape(num_kv_heads * D, source.in_features))  # (Hkv * D, in)
+                if has_bias:
+                    b = source.bias.view(num_kv_heads, groups, D)  # (Hkv, G, D)
+                    target.bias.copy_(b.mean(dim=1).reshape(num_kv_heads * D))  # (Hkv * D,)
+        new.train(module.training)
+        return new
+
+
+def kv_cache_bytes(
+    *,
+    batch_size: int,
+    seq_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes a KV cache needs: keys and values for every layer, sequence, position and K/V head.
+
+        2 (K and V) x num_layers x batch_size x seq_len x num_kv_heads x head_dim x bytes per element
+
+    It scales with ``num_kv_heads``, not with the number of query heads: that is the point of
+    MQA and GQA. ``attn_course.kv_cache.KVCache.nbytes`` is this figure for a real buffer.
+    """
+    for name, value in (
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("num_layers", num_layers),
+    ):
+        _positive_int(name, value)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * batch_size * seq_len * num_kv_heads * head_dim * itemsize
+
+
+def compare_kv_cache_memory(
+    *,
+    d_model: int,
+    num_heads: int,
+    kv_heads: tuple[int, ...] | None = None,
+    batch_size: int = 1,
+    seq_len: int = 4096,
+    num_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> list[dict[str, object]]:
+    """KV-cache size of MHA, GQA and MQA for one model shape, one row per ``num_kv_heads``.
+
+    ``kv_heads`` defaults to every divisor of ``num_heads``, from ``num_heads`` (MHA) down to
+    1 (MQA). Each row: ``name``, ``num_kv_heads``, ``bytes``, ``mib``, and ``fraction`` (of
+    the MHA cache, i.e. ``num_kv_heads / num_heads``).
+    """
+    d_model, num_heads = _positive_int("d_model", d_model), _positive_int("num_heads", num_heads)
+    if d_model % num_heads != 0:
+        raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+    head_dim = d_model // num_heads
+    if kv_heads is None:
+        kv_heads = tuple(h for h in range(num_heads, 0, -1) if num_heads % h == 0)
+    full = kv_cache_bytes(
+        batch_size=batch_size, seq_len=seq_len, num_kv_heads=num_heads, head_dim=head_dim,
+        num_layers=num_layers, dtype=dtype,
+    )
+    rows = []
+    for count in kv_heads:
+        count = _positive_int("num_kv_heads", count)
+        if num_heads % count != 0:
+            raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={count}")
+        name = "MHA" if count == num_heads else "MQA" if count == 1 else f"GQA-{count}"
+        size = kv_cache_bytes(
+            batch_size=batch_size, seq_len=seq_len, num_kv_heads=count, head_dim=head_dim,
+            num_layers=num_layers, dtype=dtype,
+        )
+        rows.append({"name": name, "num_kv_heads": count, "bytes": size, "mib": size / 2**20, "fraction": size / full})
+    return rows
