@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from ..core import Task
-from . import lesson03
+from . import lesson01, lesson02, lesson03
 
 __all__ = ["TASKS", "tasks_for_lesson"]
 
 TASKS: dict[str, Task] = {
     task.id: task
     for task in (
+        lesson01.STABLE_SOFTMAX,
+        lesson01.ATTENTION,
+        lesson02.SPLIT_HEADS,
+        lesson02.MERGE_HEADS,
+        lesson02.MHA_FORWARD,
         lesson03.CAUSAL_MASK,
+        lesson03.PADDING_MASK,
+        lesson03.MASKED_ATTENTION,
     )
 }
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ...masks import causal_mask
+from ...attention import scaled_dot_product_attention, stable_softmax
+from ...masks import causal_mask, combine_masks, padding_mask
 from ..core import Case, Fail, Task
-from ..judging import Checklist, expect_dtype, expect_shape, returned_tensor
+from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
+from ._common import answered, first_match, returned
 
-__all__ = ["CAUSAL_MASK"]
+__all__ = ["CAUSAL_MASK", "PADDING_MASK", "MASKED_ATTENTION"]
 
 
 # --- 03.causal_mask ------------------------------------------------------------------------
@@ -111,5 +115,288 @@ CAUSAL_MASK = Task(
         "float 0/1 instead of bool": (_causal_float, "dtype torch.float32"),
         "ignores S (always square)": (_causal_square_only, "shape"),
         "bottom-right aligned": (_causal_bottom_right, "top-left"),
+    },
+)
+
+
+# --- 03.padding_mask -----------------------------------------------------------------------
+# The learner writes padding_mask(lengths, max_len) -> bool (B, max_len), True where a
+# position holds a real token; real tokens come first (padding on the right).
+
+_PADDING_CASES = [([3, 1, 4], 5), ([2, 2], 2), ([0, 3, 1], 4), ([6], 9)]
+
+
+def _padding_cases() -> list[Case]:
+    return [
+        Case(f"padding_mask(lengths=tensor({lengths}), max_len={max_len})", (torch.tensor(lengths), max_len))
+        for lengths, max_len in _PADDING_CASES
+    ]
+
+
+def _diagnose_padding(got: torch.Tensor, lengths: torch.Tensor, max_len: int) -> str:
+    positions = torch.arange(max_len)[None, :]  # (1, max_len)
+    expected = padding_mask(lengths, max_len)
+    found = first_match(
+        got,
+        [
+            (lambda: positions <= lengths[:, None],
+             "off by one: a sequence of length n has real tokens at positions 0 .. n-1, so position n is padding. "
+             "Compare positions < length, not <=."),
+            (lambda: ~expected,
+             "True and False are swapped: in this course True means 'real token, may be attended to' "
+             "(nn.MultiheadAttention's key_padding_mask uses the opposite)."),
+            (lambda: positions >= max_len - lengths[:, None],
+             "your real tokens sit at the end: in this task real tokens come first and padding is on the right."),
+        ],
+    )
+    if found:
+        return found
+    b, j = (int(i) for i in (got != expected).nonzero()[0])
+    n = int(lengths[b])
+    state = "real" if got[b, j] else "padding"
+    return f"sequence {b} has length {n}, and you mark position {j} as {state}: positions 0 .. {n - 1} are real."
+
+
+def _padding_shape_hint(got: torch.Tensor, B: int, max_len: int, lengths: torch.Tensor) -> str:
+    if tuple(got.shape) == (max_len, B):
+        return "Rows are sequences (B), columns are positions (max_len): you returned the transpose."
+    if got.dim() == 2 and got.shape[0] == B and got.shape[1] == int(lengths.max()):
+        return ("You used max(lengths) columns; the mask must have max_len columns, even when every sequence is "
+                "shorter (batches are padded to a fixed size).")
+    return "One row per sequence, one column per position: (B, max_len)."
+
+
+def _judge_padding(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("returns a bool tensor of shape (B, max_len)"):
+        for case, _, got in answered(cases, outcomes):
+            lengths, max_len = case.args
+            B = len(lengths)
+            expect_shape(got, (B, max_len), what=case.name, hint=_padding_shape_hint(got, B, max_len, lengths))
+            expect_dtype(got, torch.bool, what=case.name, hint="Comparisons such as a < b give a bool tensor directly.")
+    for title, indices in (("True exactly at the first lengths[b] positions", (0, 3)),
+                           ("edge cases: empty sequences (length 0) and full ones (length = max_len)", (1, 2))):
+        with checklist.check(title):
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                lengths, max_len = case.args
+                got = returned(outcome, what=case.name)
+                expect_shape(got, (len(lengths), max_len), what=case.name)
+                if not torch.equal(got.bool(), padding_mask(lengths, max_len)):
+                    raise Fail(f"{case.name}: {_diagnose_padding(got.bool(), lengths, max_len)}")
+    return checklist.results
+
+
+def _padding_reference(lengths, max_len):
+    return padding_mask(lengths, max_len)
+
+
+def _padding_off_by_one(lengths, max_len):
+    return torch.arange(max_len)[None, :] <= lengths[:, None]
+
+
+def _padding_flipped(lengths, max_len):
+    return torch.arange(max_len)[None, :] >= lengths[:, None]
+
+
+def _padding_ignores_max_len(lengths, max_len):
+    return torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+
+
+def _padding_float(lengths, max_len):
+    return (torch.arange(max_len)[None, :] < lengths[:, None]).float()
+
+
+def _padding_left(lengths, max_len):
+    return torch.arange(max_len)[None, :] >= max_len - lengths[:, None]
+
+
+def _padding_transposed(lengths, max_len):
+    return torch.arange(max_len)[:, None] < lengths[None, :]
+
+
+PADDING_MASK = Task(
+    id="03.padding_mask",
+    title="Padding mask",
+    function_name="padding_mask",
+    make_cases=_padding_cases,
+    judge=_judge_padding,
+    reference=_padding_reference,
+    wrong={
+        "off by one (<= instead of <)": (_padding_off_by_one, "Off by one"),
+        "polarity flipped (True = padding)": (_padding_flipped, "swapped"),
+        "ignores max_len": (_padding_ignores_max_len, "max_len columns"),
+        "float 0/1 instead of bool": (_padding_float, "dtype torch.float32"),
+        "real tokens at the end (left padding)": (_padding_left, "come first"),
+        "transposed (max_len, B)": (_padding_transposed, "Rows are sequences"),
+    },
+)
+
+
+# --- 03.masked_attention -------------------------------------------------------------------
+# The learner writes masked_attention(q, k, v, mask): scaled dot-product attention where a
+# bool mask broadcastable to (..., L, S) says which keys each query may attend to (True =
+# may attend). A query that may attend to nothing gets a zero output row, never NaN.
+
+
+def _masked_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(303)
+
+    def randn(*shape, dtype=torch.float64):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    pad = padding_mask([6, 3])[:, None, None, :]  # (B, 1, 1, S)
+    causal_and_pad = combine_masks(causal_mask(5), padding_mask([5, 2])[:, None, None, :])  # (B, 1, L, S)
+    with_empty_row = torch.tensor(
+        [[True, False, True, False], [False, False, False, False], [True, True, True, True]]
+    )  # (L, S); query 1 may attend to nothing
+    return [
+        Case("padding mask (2, 1, 1, 6): q (2, 2, 4, 8), k, v (2, 2, 6, 8), float64",
+             (randn(2, 2, 4, 8), randn(2, 2, 6, 8), randn(2, 2, 6, 8), pad)),
+        Case("causal + padding mask (2, 1, 5, 5): q, k, v (2, 3, 5, 4), float64",
+             (randn(2, 3, 5, 4), randn(2, 3, 5, 4), randn(2, 3, 5, 4), causal_and_pad)),
+        Case("query 1 may attend to nothing: mask (3, 4), q (2, 3, 8), k, v (2, 4, 8), float64",
+             (randn(2, 3, 8), randn(2, 4, 8), randn(2, 4, 8), with_empty_row)),
+        Case("float16 with a causal mask (4, 4): q, k, v (1, 2, 4, 8)",
+             (randn(1, 2, 4, 8, dtype=torch.float16), randn(1, 2, 4, 8, dtype=torch.float16),
+              randn(1, 2, 4, 8, dtype=torch.float16), causal_mask(4))),
+    ]
+
+
+_PADDED, _CAUSAL_PADDED, _EMPTY_ROW, _HALF_CAUSAL = range(4)
+
+
+def _scores(q, k):
+    return torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (..., L, S)
+
+
+def _diagnose_masked(got, q, k, v, mask) -> str | None:
+    return first_match(
+        got,
+        [
+            (lambda: scaled_dot_product_attention(q, k, v),
+             "your output ignores the mask (it equals unmasked attention): set the scores of blocked keys to "
+             "-inf before the softmax."),
+            (lambda: scaled_dot_product_attention(q, k, v, ~mask),
+             "you blocked exactly the keys that are allowed: True and False are swapped. In this course True means "
+             "'may attend', so block where the mask is False: scores.masked_fill(~mask, float('-inf'))."),
+            (lambda: torch.matmul(torch.softmax(_scores(q, k), dim=-1) * mask, v),
+             "you zeroed the blocked weights after the softmax without renormalising: the remaining weights no "
+             "longer sum to 1. Mask the scores (with -inf) before the softmax instead."),
+            (lambda: torch.matmul(stable_softmax(_scores(q, k) * mask), v),
+             "multiplying the scores by the mask sets blocked scores to 0, and exp(0) = 1 still gives those keys "
+             "weight. Fill blocked scores with -inf instead."),
+        ],
+        atol=1e-9,
+        rtol=1e-7,
+    )
+
+
+_MASKED_ERROR_HINTS = (
+    ("without overflow", "a fill value such as -1e9 does not fit in float16 (largest magnitude 65504). Fill with "
+     "float('-inf') and handle rows with nothing to attend to, or use torch.finfo(scores.dtype).min."),
+)
+
+
+def _judge_masked(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
+        for case, _, got in answered(cases, outcomes, hints=_MASKED_ERROR_HINTS):
+            q, k, v, mask = case.args
+            expect_shape(got, (*torch.broadcast_shapes(q.shape[:-1], mask.shape[:-1]), v.shape[-1]), what=case.name)
+            expect_dtype(got, q.dtype, what=case.name)
+    with checklist.check("blocked keys get no weight (padding and causal masks)"):
+        for index in (_PADDED, _CAUSAL_PADDED):
+            case, outcome = cases[index], outcomes[index]
+            q, k, v, mask = case.args
+            got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
+            expected = scaled_dot_product_attention(q, k, v, mask)
+            expect_shape(got, expected.shape, what=case.name)
+            hint = _diagnose_masked(got, q, k, v, mask) or ""
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+    with checklist.check("a query with nothing to attend to gets zeros, not NaN"):
+        case, outcome = cases[_EMPTY_ROW], outcomes[_EMPTY_ROW]
+        q, k, v, mask = case.args
+        got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
+        expected = scaled_dot_product_attention(q, k, v, mask)
+        expect_shape(got, expected.shape, what=case.name)
+        empty_row = got[..., 1, :]
+        if torch.isnan(empty_row).any():
+            raise Fail(
+                f"{case.name}: query 1's row is NaN. All its scores are -inf, and softmax of an all -inf row is "
+                "0 / 0. Give such rows zeros: e.g. torch.where(mask.any(dim=-1, keepdim=True), out, 0), or a softmax "
+                "that returns 0 for all -inf rows (your stable_softmax from lesson 01)."
+            )
+        if torch.allclose(empty_row.double(), v.double().mean(dim=-2), atol=1e-6):
+            raise Fail(
+                f"{case.name}: query 1 may attend to nothing, yet its output is the plain average of all values: a "
+                "finite fill value (like -1e9 or finfo.min) makes that row uniform. Fill with -inf and give empty "
+                "rows zeros."
+            )
+        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_masked(got, q, k, v, mask) or "")
+    with checklist.check("works in float16 (no -1e9 literals)"):
+        case, outcome = cases[_HALF_CAUSAL], outcomes[_HALF_CAUSAL]
+        q, k, v, mask = case.args
+        got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
+        expected = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask)
+        expect_shape(got, expected.shape, what=case.name)
+        expect_close(got, expected, what=case.name, atol=1e-2, rtol=1e-2)
+    with checklist.check("leaves q, k, v and the mask unchanged"):
+        for case, outcome, _ in answered(cases, outcomes, hints=_MASKED_ERROR_HINTS):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _masked_reference(q, k, v, mask):
+    return scaled_dot_product_attention(q, k, v, mask)
+
+
+def _masked_minus_1e9(q, k, v, mask):
+    scores = _scores(q, k).masked_fill(~mask, -1e9)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _masked_flipped(q, k, v, mask):
+    scores = _scores(q, k).masked_fill(mask, float("-inf"))
+    return torch.nan_to_num(torch.softmax(scores, dim=-1)) @ v
+
+
+def _masked_nan_on_empty_rows(q, k, v, mask):
+    scores = _scores(q, k).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _masked_after_softmax(q, k, v, mask):
+    return (torch.softmax(_scores(q, k), dim=-1) * mask) @ v
+
+
+def _masked_multiplies_scores(q, k, v, mask):
+    return torch.softmax(_scores(q, k) * mask, dim=-1) @ v
+
+
+def _masked_ignores_mask(q, k, v, mask):
+    return torch.softmax(_scores(q, k), dim=-1) @ v
+
+
+def _masked_scales_q_in_place(q, k, v, mask):
+    q /= math.sqrt(q.shape[-1])
+    return scaled_dot_product_attention(q, k, v, mask, scale=1.0)
+
+
+MASKED_ATTENTION = Task(
+    id="03.masked_attention",
+    title="Attention with a boolean mask",
+    function_name="masked_attention",
+    make_cases=_masked_cases,
+    judge=_judge_masked,
+    reference=_masked_reference,
+    wrong={
+        "fills with -1e9": (_masked_minus_1e9, "does not fit in float16"),
+        "polarity flipped (masked_fill(mask, -inf))": (_masked_flipped, "swapped"),
+        "NaN for a query with nothing to attend to": (_masked_nan_on_empty_rows, "row is NaN"),
+        "masks after the softmax without renormalising": (_masked_after_softmax, "without renormalising"),
+        "multiplies the scores by the mask": (_masked_multiplies_scores, "exp(0) = 1"),
+        "ignores the mask": (_masked_ignores_mask, "ignores the mask"),
+        "scales q in place": (_masked_scales_q_in_place, "in place"),
     },
 )

@@ -1,0 +1,393 @@
+"""Graded tasks for lesson 01 (scaled dot-product attention): a stable softmax, then attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...attention import scaled_dot_product_attention, stable_softmax
+from ..core import Case, Fail, Task
+from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
+from ._common import answered, first_match, returned, softmax_over_queries
+
+__all__ = ["STABLE_SOFTMAX", "ATTENTION"]
+
+_SHAPE_ERROR_HINTS = (
+    ("must match the size", "two tensors do not line up. For a row-wise reduction keep the reduced axis "
+     "(`amax(dim=-1, keepdim=True)`, `sum(dim=-1, keepdim=True)`) so it broadcasts back over the row."),
+)
+
+
+# --- 01.stable_softmax ---------------------------------------------------------------------
+# The learner writes stable_softmax(scores) -> softmax over the last dim, safe for huge logits,
+# and 0 (not NaN) for a row that is entirely -inf (a query with nothing to attend to).
+
+
+def _softmax_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(101)
+    small = 3 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    batched = 2 * torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64)
+    huge = torch.tensor(
+        [[1000.0, 999.0, 0.0, -5.0], [-1000.0, -1001.0, -1003.0, -1010.0], [2.0, 1.0, 0.0, -1.0]],
+        dtype=torch.float32,
+    )
+    half = torch.tensor([[20.0, 10.0, 0.0, -10.0], [3.0, 2.0, 1.0, 0.0]], dtype=torch.float16)
+    inf = float("-inf")
+    with_inf = torch.tensor([[1.0, inf, 2.0, inf], [inf, inf, inf, inf], [0.5, 0.0, -0.5, 0.0]], dtype=torch.float64)
+    return [
+        Case("small scores (3, 5), float64", (small,)),
+        Case("batched scores (2, 3, 4, 4), float64", (batched,)),
+        Case("huge logits (+-1000), float32", (huge,)),
+        Case("logits up to 20, float16", (half,)),
+        Case("rows with -inf, one entirely -inf, float64", (with_inf,)),
+    ]
+
+
+_SMALL, _BATCHED, _HUGE, _HALF, _WITH_INF = range(5)
+
+
+def _exp_minus_row_max(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x - x.amax(dim=-1, keepdim=True))
+
+
+def _diagnose_softmax_values(got: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Name the classic mistake behind a wrong result on ordinary (finite) scores."""
+    found = first_match(
+        got,
+        [
+            (lambda: stable_softmax(x, dim=-2),
+             "your values sum to 1 down each column, not along each row: take the max and the sum over "
+             "dim=-1 (the last axis), so that each row is a probability distribution."),
+            (lambda: _exp_minus_row_max(x),
+             "you return exp(x - max) without dividing by the row sum: divide by "
+             "`.sum(dim=-1, keepdim=True)` of those exponentials."),
+            (lambda: torch.exp(x),
+             "you return exp(x) without dividing by the row sum (and without subtracting the max)."),
+        ],
+    )
+    if found:
+        return found
+    sums = got.detach().double().sum(dim=-1)
+    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-6):
+        worst = (sums - 1).abs().nan_to_num(nan=float("inf")).argmax()
+        index = tuple(int(i) for i in torch.unravel_index(worst, sums.shape))
+        row = index[0] if len(index) == 1 else index
+        return (
+            f"Each row should sum to 1, but row {row} sums to {sums[index].item():.4g}: divide exp(x - max) by the "
+            "sum of those same exponentials over the last axis."
+        )
+    return None
+
+
+def _diagnose_non_finite(got: torch.Tensor, x: torch.Tensor) -> str:
+    """Why a row came out NaN/inf although its logits are finite."""
+    bad_rows = (~torch.isfinite(got)).flatten(0, -2).any(dim=-1).nonzero()
+    row = int(bad_rows[0])
+    logits = x.flatten(0, -2)[row]
+    largest = torch.finfo(x.dtype).max
+    if logits.max().item() > math.log(largest):
+        return (
+            f"row {row} has logits up to {logits.max().item():g} and exp() of that overflows to inf in "
+            f"{x.dtype} (inf / inf = NaN). Subtract each row's maximum before exp: every exponent is then "
+            "<= 0 and softmax does not change."
+        )
+    if logits.max().item() < x.max().item() - 80:
+        return (
+            f"row {row} holds ordinary logits (max {logits.max().item():g}) yet comes out NaN: subtracting the max "
+            "of the whole tensor is mathematically fine but makes exp() underflow to 0 for every entry of rows far "
+            "below that max (0 / 0 = NaN). Subtract each row's own max: amax(dim=-1, keepdim=True)."
+        )
+    return f"row {row} contains NaN/inf: subtract each row's maximum before exp."
+
+
+def _judge_softmax(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("returns a tensor of the input's shape and dtype"):
+        for case, _, got in answered(cases, outcomes, hints=_SHAPE_ERROR_HINTS):
+            (x,) = case.args
+            expect_shape(got, x.shape, what=case.name, hint="Softmax keeps the shape of the scores.")
+            expect_dtype(got, x.dtype, what=case.name, hint="Compute in the input's dtype, or cast back with .to(scores.dtype).")
+    with checklist.check("each row is a probability distribution over the last dim"):
+        for index in (_SMALL, _BATCHED):
+            case, outcome = cases[index], outcomes[index]
+            got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
+            (x,) = case.args
+            expect_shape(got, x.shape, what=case.name)
+            hint = _diagnose_softmax_values(got, x) or ""
+            expect_close(got, stable_softmax(x), what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+    with checklist.check("huge logits do not overflow (float32 and float16)"):
+        for index, atol in ((_HUGE, 1e-6), (_HALF, 2e-3)):
+            case, outcome = cases[index], outcomes[index]
+            got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
+            (x,) = case.args
+            expect_shape(got, x.shape, what=case.name)
+            if not torch.isfinite(got).all():
+                raise Fail(f"{case.name}: {_diagnose_non_finite(got, x)}")
+            expect_close(got, stable_softmax(x.double()), what=case.name, atol=atol, rtol=1e-3)
+    with checklist.check("a row of all -inf (nothing to attend to) gives zeros, not NaN"):
+        case, outcome = cases[_WITH_INF], outcomes[_WITH_INF]
+        got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
+        (x,) = case.args
+        expect_shape(got, x.shape, what=case.name)
+        if torch.isnan(got[1]).any():
+            raise Fail(
+                f"{case.name}: row 1 is all -inf and you return NaN there. Its max is -inf, and -inf - (-inf) is NaN. "
+                "The course's convention: such a row gives zeros. Where the row max is not finite, subtract 0 "
+                "instead (torch.where(torch.isfinite(m), m, 0)); exp(-inf) = 0, so the row of exps is 0, and guard "
+                "the division (e.g. sum.clamp_min(tiny))."
+            )
+        expect_close(
+            got,
+            stable_softmax(x),
+            what=case.name,
+            atol=1e-9,
+            rtol=1e-7,
+            hint="Entries that are -inf get weight exactly 0, and an all -inf row is all zeros.",
+        )
+    with checklist.check("leaves its input unchanged"):
+        for case, outcome, _ in answered(cases, outcomes, hints=_SHAPE_ERROR_HINTS):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _softmax_reference(scores):
+    return stable_softmax(scores)
+
+
+def _softmax_no_max(scores):
+    exps = torch.exp(scores)
+    return exps / exps.sum(dim=-1, keepdim=True)
+
+
+def _softmax_wrong_axis(scores):
+    exps = torch.exp(scores - scores.amax(dim=-2, keepdim=True))
+    return exps / exps.sum(dim=-2, keepdim=True)
+
+
+def _softmax_global_max(scores):
+    exps = torch.exp(scores - scores.max())
+    return exps / exps.sum(dim=-1, keepdim=True)
+
+
+def _softmax_unnormalised(scores):
+    return torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+
+
+def _softmax_divides_by_raw_sum(scores):
+    exps = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return exps / scores.sum(dim=-1, keepdim=True)
+
+
+def _softmax_no_keepdim(scores):
+    exps = torch.exp(scores - scores.amax(dim=-1))
+    return exps / exps.sum(dim=-1)
+
+
+def _softmax_nan_on_empty_rows(scores):
+    exps = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return exps / exps.sum(dim=-1, keepdim=True)
+
+
+def _softmax_in_place(scores):
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    scores.sub_(row_max).exp_()  # saves memory, but overwrites the caller's tensor
+    return scores / scores.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+
+
+STABLE_SOFTMAX = Task(
+    id="01.stable_softmax",
+    title="Numerically stable softmax",
+    function_name="stable_softmax",
+    make_cases=_softmax_cases,
+    judge=_judge_softmax,
+    reference=_softmax_reference,
+    wrong={
+        "no max subtraction (exp overflows)": (_softmax_no_max, "Subtract each row's maximum"),
+        "softmax over dim=-2": (_softmax_wrong_axis, "down each column"),
+        "subtracts the max of the whole tensor": (_softmax_global_max, "whole tensor"),
+        "exp without normalising": (_softmax_unnormalised, "without dividing by the row sum"),
+        "divides by the sum of the raw scores": (_softmax_divides_by_raw_sum, "should sum to 1"),
+        "max without keepdim=True": (_softmax_no_keepdim, "keepdim=True"),
+        "NaN on an all -inf row": (_softmax_nan_on_empty_rows, "gives zeros"),
+        "overwrites its input in place": (_softmax_in_place, "in place"),
+    },
+)
+
+
+# --- 01.attention --------------------------------------------------------------------------
+# The learner writes attention(q, k, v) = softmax(q k^T / sqrt(D)) v over the last two dims:
+# q (..., L, D), k (..., S, D), v (..., S, Dv) -> (..., L, Dv).
+
+
+def _attention_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(102)
+
+    def randn(*shape, dtype=torch.float64, std=1.0):
+        return std * torch.randn(*shape, generator=gen, dtype=dtype)
+
+    return [
+        # D = 9 so that 1/sqrt(D), 1/D and 1/sqrt(L) are all different.
+        Case("square: q, k, v (2, 4, 9), float64", (randn(2, 4, 9), randn(2, 4, 9), randn(2, 4, 9))),
+        Case(
+            "L=5 queries, S=7 keys, heads: q (2, 3, 5, 8), k (2, 3, 7, 8), v (2, 3, 7, 6), float64",
+            (randn(2, 3, 5, 8), randn(2, 3, 7, 8), randn(2, 3, 7, 6)),
+        ),
+        Case("unbatched: q (3, 4), k (6, 4), v (6, 2), float64", (randn(3, 4), randn(6, 4), randn(6, 2))),
+        Case(
+            "large scores (|q.k| ~ 1000): q, k, v (1, 6, 8), float32",
+            (randn(1, 6, 8, dtype=torch.float32, std=30.0), randn(1, 6, 8, dtype=torch.float32, std=30.0),
+             randn(1, 6, 8, dtype=torch.float32)),
+        ),
+    ]
+
+
+_SQUARE, _RECT, _UNBATCHED, _LARGE = range(4)
+
+
+def _diagnose_attention(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    L, D, S = q.shape[-2], q.shape[-1], k.shape[-2]
+
+    def with_scale(scale):
+        return lambda: scaled_dot_product_attention(q, k, v, scale=scale)
+
+    def k_reshaped():
+        k_as_reshaped = k.reshape(*k.shape[:-2], D, S).transpose(-2, -1)  # (..., S, D): what q @ k.reshape(.., D, S) uses
+        return scaled_dot_product_attention(q, k_as_reshaped, v)
+
+    return first_match(
+        got,
+        [
+            (with_scale(1.0), f"you did not scale the scores: multiply q @ k^T by 1/sqrt(D), with D = q.shape[-1] = {D}."),
+            (with_scale(1.0 / D), f"you divided the scores by D = {D}; divide by sqrt(D) = {math.sqrt(D):.4g}."),
+            (with_scale(math.sqrt(D)), "you multiplied the scores by sqrt(D); divide by it: scale = 1/sqrt(D)."),
+            (with_scale(1.0 / math.sqrt(L)),
+             f"your scale uses the number of queries L = {L}; it must use the head dim D = q.shape[-1] = {D}."),
+            (with_scale(1.0 / math.sqrt(S)),
+             f"your scale uses the number of keys S = {S}; it must use the head dim D = q.shape[-1] = {D}."),
+            (lambda: softmax_over_queries(q, k, v, scale=1.0 / math.sqrt(D)),
+             "your weights sum to 1 down each column (over the queries), not along each row: softmax over dim=-1, "
+             "the keys, so that each query distributes its attention over the keys."),
+            (k_reshaped,
+             "you reshaped k from (..., S, D) to (..., D, S). reshape keeps the memory order, so it scrambles keys and "
+             "features; swap the last two axes with k.transpose(-2, -1) instead."),
+        ],
+        atol=1e-7,
+    )
+
+
+_ATTENTION_ERROR_HINTS = (
+    ("must match the size", "for batched tensors transpose only the last two axes of k: k.transpose(-2, -1) "
+     "(k.T and k.transpose(0, 1) also move batch axes)."),
+    ("cannot be multiplied", "q (..., L, D) @ k^T needs k^T of shape (..., D, S): use k.transpose(-2, -1)."),
+)
+
+
+def _judge_attention(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
+        for case, _, got in answered(cases, outcomes, hints=_ATTENTION_ERROR_HINTS):
+            q, k, v = case.args
+            expected_shape = (*q.shape[:-1], v.shape[-1])
+            if tuple(got.shape) == (*q.shape[:-1], k.shape[-2]) and tuple(got.shape) != expected_shape:
+                raise Fail(
+                    f"{case.name}: you returned a (..., L, S) tensor: the attention weights. The output is "
+                    "weights @ v, of shape (..., L, Dv)."
+                )
+            expect_shape(got, expected_shape, what=case.name, hint="Each query gets a weighted average of the values.")
+            expect_dtype(got, q.dtype, what=case.name)
+    sections = (
+        ("queries and keys of the same length match the library", (_SQUARE,)),
+        ("L != S, with batch and head dims, and unbatched inputs", (_RECT, _UNBATCHED)),
+    )
+    for title, indices in sections:
+        with checklist.check(title):
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                q, k, v = case.args
+                got = returned(outcome, what=case.name, hints=_ATTENTION_ERROR_HINTS)
+                expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
+                hint = _diagnose_attention(got, q, k, v) or ""
+                expect_close(got, scaled_dot_product_attention(q, k, v), what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+    with checklist.check("large scores stay finite (float32)"):
+        case, outcome = cases[_LARGE], outcomes[_LARGE]
+        q, k, v = case.args
+        got = returned(outcome, what=case.name, hints=_ATTENTION_ERROR_HINTS)
+        expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
+        if not torch.isfinite(got).all():
+            raise Fail(
+                f"{case.name}: your output contains NaN/inf. Scores of about 1000 make exp() overflow; use a softmax "
+                "that subtracts the row max first (your stable_softmax, or torch.softmax)."
+            )
+        expected = scaled_dot_product_attention(q.double(), k.double(), v.double())
+        hint = _diagnose_attention(got, q, k, v) or ""
+        expect_close(got, expected, what=case.name, atol=1e-4, rtol=1e-4, hint=hint)
+    with checklist.check("leaves q, k and v unchanged"):
+        for case, outcome, _ in answered(cases, outcomes, hints=_ATTENTION_ERROR_HINTS):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _attention_reference(q, k, v):
+    return scaled_dot_product_attention(q, k, v)
+
+
+def _attention_no_scale(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def _attention_scale_by_d(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1], dim=-1) @ v
+
+
+def _attention_scale_by_length(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-2]), dim=-1) @ v
+
+
+def _attention_wrong_axis(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-2) @ v
+
+
+def _attention_k_reshaped(q, k, v):
+    k_t = k.reshape(*k.shape[:-2], k.shape[-1], k.shape[-2])
+    return torch.softmax(q @ k_t / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def _attention_k_transposed_first_axes(q, k, v):
+    return torch.softmax(q @ k.transpose(0, 1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def _attention_returns_weights(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+
+
+def _attention_naive_softmax(q, k, v):
+    exps = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))
+    return exps / exps.sum(dim=-1, keepdim=True) @ v
+
+
+def _attention_scales_q_in_place(q, k, v):
+    q.mul_(1 / math.sqrt(q.shape[-1]))  # "saves a multiplication" but changes the caller's q
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+ATTENTION = Task(
+    id="01.attention",
+    title="Scaled dot-product attention",
+    function_name="attention",
+    make_cases=_attention_cases,
+    judge=_judge_attention,
+    reference=_attention_reference,
+    wrong={
+        "missing the 1/sqrt(D) scale": (_attention_no_scale, "did not scale"),
+        "divides by D instead of sqrt(D)": (_attention_scale_by_d, "divide by sqrt(D)"),
+        "scales with the sequence length": (_attention_scale_by_length, "head dim"),
+        "softmax over dim=-2": (_attention_wrong_axis, "down each column"),
+        "k reshaped instead of transposed": (_attention_k_reshaped, "k.transpose(-2, -1)"),
+        "k.transpose(0, 1) on batched input": (_attention_k_transposed_first_axes, "transpose only the last two axes"),
+        "returns the weights instead of the output": (_attention_returns_weights, "weights @ v"),
+        "softmax without max subtraction": (_attention_naive_softmax, "overflow"),
+        "scales q in place": (_attention_scales_q_in_place, "in place"),
+    },
+)
