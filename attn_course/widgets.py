@@ -1,0 +1,408 @@
+"""Interactive explorers for the notebooks, built from core ipywidgets and matplotlib only.
+
+No custom JavaScript and nothing fetched from a CDN, so they work offline, in JupyterLab and
+in Colab. Each explorer is an object with
+
+* ``.ui``: the ipywidgets box (displaying the explorer displays it);
+* ``.draw(**state) -> Figure``: a plain method that draws one state into a matplotlib
+  ``Figure``. The live view calls it on every change; notebooks call it for the static figure
+  that GitHub shows; tests call it too;
+* ``.figure``: the figure drawn for the current state of the controls;
+* ``.save_png(path=None)``: writes the current figure to a PNG (the "Save PNG" button).
+
+Explorers:
+
+* ``HeadExplorer``: attention weights of a model -- layer / head / example selectors, a
+  heatmap with token labels, or every head of a layer in a grid (lesson 02);
+* ``ScaleExplorer``: how ``d_k``, the ``1/sqrt(d_k)`` scale and a temperature change the
+  scores' spread and the softmax's sharpness (lesson 01);
+* ``MaskExplorer``: causal, padding and combined masks and the weights they leave (lesson 03).
+
+At most ``attn_course.viz.MAX_TOKENS`` (64) positions are drawn, so long inputs stay responsive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import ipywidgets as widgets
+import torch
+from matplotlib.figure import Figure
+
+from ._checks import shape_str
+from .attention import scaled_dot_product_attention
+from .masks import causal_mask, combine_masks, padding_mask
+from .viz import MAX_TOKENS, figure_to_png, plot_attention, plot_heads, plot_mask
+
+__all__ = ["HeadExplorer", "ScaleExplorer", "MaskExplorer"]
+
+
+class _Explorer:
+    """Shared plumbing: controls -> ``draw`` -> PNG in an ``Image`` widget, plus "Save PNG"."""
+
+    name = "explorer"
+
+    def __init__(self, controls: Sequence[widgets.Widget], *, save_dir: str | Path = ".") -> None:
+        self.save_dir = Path(save_dir)
+        self.figure: Figure | None = None
+        self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.save_button = widgets.Button(description="Save PNG", icon="download", tooltip="write the figure to a PNG file")
+        self.status = widgets.Label()
+        self.save_button.on_click(lambda _button: self._on_save())
+        self.ui = widgets.VBox([widgets.HBox(list(controls)), self.image, widgets.HBox([self.save_button, self.status])])
+        for control in controls:
+            control.observe(lambda _change: self.refresh(), names="value")
+
+    @property
+    def state(self) -> dict:
+        """The controls' current values, as keyword arguments for ``draw``."""
+        raise NotImplementedError
+
+    def draw(self, **state) -> Figure:
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Redraw for the controls' current values."""
+        self.figure = self.draw(**self.state)
+        self.image.value = figure_to_png(self.figure)
+
+    def _default_path(self) -> Path:
+        parts = "_".join(f"{key}{int(value) if isinstance(value, bool) else value}" for key, value in self.state.items())
+        return self.save_dir / f"{self.name}_{parts.replace(' ', '').replace('+', '-')}.png"
+
+    def save_png(self, path: str | Path | None = None, *, dpi: int = 150) -> Path:
+        """Write the current figure to ``path`` (default: a name built from the state, in ``save_dir``)."""
+        path = Path(path) if path is not None else self._default_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure = self.figure if self.figure is not None else self.draw(**self.state)
+        figure.savefig(path, format="png", dpi=dpi)
+        return path
+
+    def _on_save(self) -> None:
+        try:
+            self.status.value = f"saved {self.save_png()}"
+        except OSError as error:  # a read-only folder must not break the widget
+            self.status.value = f"could not save: {error}"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.ui)
+
+
+def _cap_note(n: int, cap: int) -> str:
+    return f" (first {cap} of {n} positions)" if n > cap else ""
+
+
+class HeadExplorer(_Explorer):
+    """Browse attention weights by layer, head and example.
+
+    Args:
+        attention: one layer's weights ``(B, H, L, S)``, or a list of them (one per layer,
+            as returned by ``TinyAttentionModel.attention_maps``).
+        tokens: labels for the positions: one list of strings shared by every example, or
+            one list per example. Labels of length S go on the key axis, of length L on the
+            query axis (both, for self-attention). Default: position numbers.
+        max_tokens: draw at most this many query and key positions (the first ones).
+        save_dir: where "Save PNG" writes.
+    """
+
+    name = "heads"
+
+    def __init__(
+        self,
+        attention: torch.Tensor | Sequence[torch.Tensor],
+        tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
+        *,
+        max_tokens: int = MAX_TOKENS,
+        save_dir: str | Path = ".",
+    ) -> None:
+        self.layers = self._check_attention(attention)
+        self.max_tokens = _check_cap(max_tokens)
+        B = self.layers[0].shape[0]
+        self.tokens = self._check_tokens(tokens, B)
+        self.layer = widgets.Dropdown(options=[(f"layer {i}", i) for i in range(len(self.layers))], description="layer")
+        self.head = widgets.Dropdown(options=self._head_options(0), description="head")
+        self.example = widgets.IntSlider(value=0, min=0, max=B - 1, description="example")
+        self.all_heads = widgets.Checkbox(value=False, description="all heads")
+        # Changing the layer may change the number of heads: fix the head menu before redrawing.
+        self.layer.observe(self._sync_heads, names="value")
+        super().__init__([self.layer, self.head, self.example, self.all_heads], save_dir=save_dir)
+        self.refresh()
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokens: torch.Tensor, labels=None, **kwargs) -> HeadExplorer:
+        """Explore ``model.attention_maps(tokens)`` (e.g. a ``TinyAttentionModel``)."""
+        return cls(model.attention_maps(tokens), labels, **kwargs)
+
+    @staticmethod
+    def _check_attention(attention: object) -> list[torch.Tensor]:
+        if isinstance(attention, torch.Tensor):
+            attention = [attention]
+        if not isinstance(attention, (list, tuple)) or not attention:
+            raise TypeError(f"attention must be a tensor (B, H, L, S) or a list of them, got {type(attention).__name__}")
+        layers = []
+        for index, weights in enumerate(attention):
+            if not isinstance(weights, torch.Tensor) or weights.dim() != 4:
+                got = shape_str(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+                raise ValueError(f"layer {index}: expected weights (B, H, L, S), got {got}")
+            if weights.shape[0] != attention[0].shape[0]:
+                raise ValueError(f"layer {index} has batch {weights.shape[0]}, layer 0 has {attention[0].shape[0]}")
+            layers.append(weights.detach().float().cpu())
+        return layers
+
+    @staticmethod
+    def _check_tokens(tokens: object, B: int) -> list[list[str]] | None:
+        if tokens is None:
+            return None
+        tokens = list(tokens)
+        if tokens and isinstance(tokens[0], str):
+            return [[str(t) for t in tokens]] * B
+        if len(tokens) != B:
+            raise ValueError(f"got token labels for {len(tokens)} examples, the weights hold {B}")
+        return [[str(t) for t in row] for row in tokens]
+
+    def _head_options(self, layer: int) -> list[tuple[str, int]]:
+        return [(f"head {h}", h) for h in range(self.layers[layer].shape[1])]
+
+    def _sync_heads(self, change: dict) -> None:
+        options = self._head_options(change["new"])
+        if len(options) != len(self.head.options):
+            with self.head.hold_trait_notifications():
+                self.head.options = options
+                self.head.value = 0
+
+    @property
+    def state(self) -> dict:
+        return {
+            "layer": self.layer.value,
+            "head": self.head.value,
+            "example": self.example.value,
+            "all_heads": self.all_heads.value,
+        }
+
+    def weights(self, *, layer: int = 0, example: int = 0) -> torch.Tensor:
+        """Weights ``(H, L, S)`` of one layer and example, cut to ``max_tokens`` positions."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer must be in [0, {len(self.layers)}), got {layer}")
+        B = self.layers[layer].shape[0]
+        if not 0 <= example < B:
+            raise ValueError(f"example must be in [0, {B}), got {example}")
+        return self.layers[layer][example, :, : self.max_tokens, : self.max_tokens]  # (H, L', S')
+
+    def _labels(self, example: int, L: int, S: int) -> tuple[list[str] | None, list[str] | None]:
+        if self.tokens is None:
+            return None, None
+        labels = self.tokens[example]
+        key_labels = labels[: self.max_tokens] if len(labels) == S else None
+        query_labels = labels[: self.max_tokens] if len(labels) == L else None
+        return query_labels, key_labels
+
+    def draw(self, *, layer: int = 0, head: int = 0, example: int = 0, all_heads: bool = False) -> Figure:
+        """One head's heatmap, or every head of the layer in a grid."""
+        weights = self.weights(layer=layer, example=example)  # (H, L', S')
+        H = weights.shape[0]
+        if not 0 <= head < H:
+            raise ValueError(f"head must be in [0, {H}), got {head}")
+        _, _, L, S = self.layers[layer].shape
+        query_labels, key_labels = self._labels(example, L, S)
+        note = _cap_note(max(L, S), self.max_tokens)
+        if all_heads:
+            return plot_heads(
+                weights,
+                query_labels=query_labels,
+                key_labels=key_labels,
+                suptitle=f"layer {layer}, example {example}: all {H} heads{note}",
+            )
+        return plot_attention(
+            weights[head],
+            query_labels=query_labels,
+            key_labels=key_labels,
+            title=f"layer {layer}, head {head}, example {example}{note}",
+        )
+
+
+class ScaleExplorer(_Explorer):
+    """Random queries and keys with unit-variance entries: watch the scores and the softmax.
+
+    Controls: the head dim ``d_k``, whether scores are divided by ``sqrt(d_k)``, and a
+    temperature ``T`` (scores are divided by ``T`` as well). Query and key entries are drawn
+    once (seeded) at ``max_d_k``; a smaller ``d_k`` uses their first ``d_k`` columns.
+    """
+
+    name = "scale"
+
+    def __init__(
+        self,
+        *,
+        length: int = 12,
+        d_k: int = 64,
+        scaled: bool = False,
+        temperature: float = 1.0,
+        max_d_k: int = 1024,
+        seed: int = 0,
+        save_dir: str | Path = ".",
+    ) -> None:
+        self.length = _check_cap(length, what="length")
+        if isinstance(max_d_k, bool) or not isinstance(max_d_k, int) or max_d_k < 1:
+            raise ValueError(f"max_d_k must be a positive int, got {max_d_k!r}")
+        self.d_k_options = [2**i for i in range(int(math.log2(max_d_k)) + 1)]
+        generator = torch.Generator().manual_seed(seed)
+        self.q = torch.randn(self.length, self.d_k_options[-1], generator=generator, dtype=torch.float64)  # (L, D)
+        self.k = torch.randn(self.length, self.d_k_options[-1], generator=generator, dtype=torch.float64)  # (S, D)
+        self._check_state(d_k, temperature)
+        self.d_k = widgets.SelectionSlider(options=self.d_k_options, value=d_k, description="d_k")
+        self.scaled = widgets.Checkbox(value=scaled, description="divide by sqrt(d_k)")
+        self.temperature = widgets.FloatLogSlider(value=temperature, base=10, min=-1, max=1, step=0.05, description="temperature")
+        super().__init__([self.d_k, self.scaled, self.temperature], save_dir=save_dir)
+        self.refresh()
+
+    def _check_state(self, d_k: int, temperature: float) -> None:
+        if d_k not in self.d_k_options:
+            raise ValueError(f"d_k must be one of {self.d_k_options}, got {d_k!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+
+    @property
+    def state(self) -> dict:
+        return {"d_k": self.d_k.value, "scaled": self.scaled.value, "temperature": self.temperature.value}
+
+    def scale(self, *, d_k: int, scaled: bool, temperature: float = 1.0) -> float:
+        """The factor the scores ``q @ k^T`` are multiplied by."""
+        self._check_state(d_k, temperature)
+        return (1.0 / math.sqrt(d_k) if scaled else 1.0) / temperature
+
+    def scores(self, *, d_k: int, scaled: bool, temperature: float = 1.0) -> torch.Tensor:
+        """Scaled scores ``(L, S)`` as the softmax sees them."""
+        factor = self.scale(d_k=d_k, scaled=scaled, temperature=temperature)
+        return (self.q[:, :d_k] @ self.k[:, :d_k].T) * factor  # (L, S)
+
+    def weights(self, *, d_k: int, scaled: bool, temperature: float = 1.0) -> torch.Tensor:
+        """Attention weights ``(L, S)``, from the library's ``scaled_dot_product_attention``."""
+        factor = self.scale(d_k=d_k, scaled=scaled, temperature=temperature)
+        q, k = self.q[:, :d_k], self.k[:, :d_k]  # (L, D), (S, D)
+        _, weights = scaled_dot_product_attention(q, k, k, scale=factor, return_weights=True)  # (L, S)
+        return weights
+
+    def stats(self, *, d_k: int, scaled: bool, temperature: float = 1.0) -> dict[str, float]:
+        """Spread of the scores and sharpness of the softmax: std, mean max weight, mean entropy."""
+        scores = self.scores(d_k=d_k, scaled=scaled, temperature=temperature)
+        weights = self.weights(d_k=d_k, scaled=scaled, temperature=temperature)
+        entropy = -(weights * weights.clamp_min(1e-300).log()).sum(-1)  # (L,), in nats
+        return {
+            "score_std": scores.std().item(),
+            "max_weight": weights.amax(-1).mean().item(),
+            "entropy": entropy.mean().item(),
+            "uniform_entropy": math.log(self.length),
+        }
+
+    def draw(self, *, d_k: int = 64, scaled: bool = False, temperature: float = 1.0) -> Figure:
+        """Left: the weights as a heatmap. Right: the histogram of the scores."""
+        scores = self.scores(d_k=d_k, scaled=scaled, temperature=temperature)
+        weights = self.weights(d_k=d_k, scaled=scaled, temperature=temperature)
+        s = self.stats(d_k=d_k, scaled=scaled, temperature=temperature)
+        fig = Figure(figsize=(9.5, 3.8), layout="constrained")
+        left, right = fig.subplots(1, 2, width_ratios=[1.1, 1])
+        how = "q·k / sqrt(d_k)" if scaled else "q·k (no scale)"
+        plot_attention(weights, ax=left, title=f"weights: mean max {s['max_weight']:.2f}")
+        right.hist(scores.flatten().numpy(), bins=30, color="#2c7fb8")
+        right.set_xlabel(f"score = {how}" + (f" / T (T = {temperature:.2g})" if temperature != 1.0 else ""))
+        right.set_ylabel("count")
+        right.set_title(f"score std {s['score_std']:.2f}")
+        fig.suptitle(
+            f"d_k = {d_k}: entropy {s['entropy']:.2f} nats (uniform would be {s['uniform_entropy']:.2f})"
+        )
+        return fig
+
+
+class MaskExplorer(_Explorer):
+    """Causal, padding and combined masks for one sequence, and the weights they leave.
+
+    ``valid_length`` real tokens are followed by padding up to ``length``. The padding mask
+    blocks padded *keys* (every query, padded or not, may still read the real tokens). With
+    ``valid_length = 0`` every row is fully masked: the library returns zero weights there.
+    """
+
+    name = "mask"
+    KINDS = ("none", "causal", "padding", "causal + padding")
+
+    def __init__(
+        self,
+        *,
+        kind: str = "causal + padding",
+        length: int = 8,
+        valid_length: int = 6,
+        max_tokens: int = MAX_TOKENS,
+        seed: int = 0,
+        save_dir: str | Path = ".",
+    ) -> None:
+        self.max_tokens = _check_cap(max_tokens)
+        self._check_state(kind, length, valid_length)
+        generator = torch.Generator().manual_seed(seed)
+        self.q = torch.randn(self.max_tokens, 8, generator=generator, dtype=torch.float64)  # (L, D)
+        self.k = torch.randn(self.max_tokens, 8, generator=generator, dtype=torch.float64)  # (S, D)
+        self.kind = widgets.ToggleButtons(options=self.KINDS, value=kind, description="mask")
+        self.length = widgets.IntSlider(value=length, min=1, max=self.max_tokens, description="length")
+        self.valid_length = widgets.IntSlider(value=valid_length, min=0, max=length, description="real tokens")
+        # Keep "real tokens" <= "length" before the redraw triggered by the length change.
+        self.length.observe(self._sync_valid_length, names="value")
+        super().__init__([self.kind, self.length, self.valid_length], save_dir=save_dir)
+        self.refresh()
+
+    def _check_state(self, kind: str, length: int, valid_length: int) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.max_tokens:
+            raise ValueError(f"length must be an int in [1, {self.max_tokens}] (the drawing cap), got {length!r}")
+        if isinstance(valid_length, bool) or not isinstance(valid_length, int) or not 0 <= valid_length <= length:
+            raise ValueError(f"valid_length must be an int in [0, length={length}], got {valid_length!r}")
+
+    def _sync_valid_length(self, change: dict) -> None:
+        with self.valid_length.hold_trait_notifications():
+            self.valid_length.max = change["new"]  # ipywidgets clamps the value to the new max
+
+    @property
+    def state(self) -> dict:
+        return {"kind": self.kind.value, "length": self.length.value, "valid_length": self.valid_length.value}
+
+    def mask(self, *, kind: str, length: int, valid_length: int) -> torch.Tensor:
+        """The boolean mask ``(L, S)``, True = may attend, built with ``attn_course.masks``."""
+        self._check_state(kind, length, valid_length)
+        everything = torch.ones(length, length, dtype=torch.bool)  # (L, S)
+        causal = causal_mask(length) if "causal" in kind else None  # (L, S)
+        padding = padding_mask([valid_length], length) if "padding" in kind else None  # (1, S)
+        return combine_masks(everything, causal, padding)  # (L, S)
+
+    def weights(self, *, kind: str, length: int, valid_length: int) -> torch.Tensor:
+        """Weights ``(L, S)`` of seeded random scores under the mask (library attention)."""
+        mask = self.mask(kind=kind, length=length, valid_length=valid_length)
+        q, k = self.q[:length], self.k[:length]  # (L, D), (S, D)
+        _, weights = scaled_dot_product_attention(q, k, k, mask, return_weights=True)  # (L, S)
+        return weights
+
+    def draw(self, *, kind: str = "causal + padding", length: int = 8, valid_length: int = 6) -> Figure:
+        """Left: the mask. Right: the attention weights it leaves."""
+        mask = self.mask(kind=kind, length=length, valid_length=valid_length)
+        weights = self.weights(kind=kind, length=length, valid_length=valid_length)
+        empty = int((~mask.any(-1)).sum())
+        labels = [str(i) if i < valid_length else f"{i}·" for i in range(length)]
+        fig = Figure(figsize=(9.5, 4.0), layout="constrained")
+        left, right = fig.subplots(1, 2)
+        plot_mask(mask, ax=left, query_labels=labels, key_labels=labels, title=f"{kind} mask: blue = may attend")
+        plot_attention(
+            weights,
+            ax=right,
+            query_labels=labels,
+            key_labels=labels,
+            title=f"weights ({empty} fully-masked rows -> all zero)" if empty else "weights (every row sums to 1)",
+        )
+        fig.suptitle(f"{length} positions, {valid_length} real tokens (· = padding)")
+        return fig
+
+
+def _check_cap(value: int, *, what: str = "max_tokens") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
+        raise ValueError(f"{what} must be an int in [1, {MAX_TOKENS}] (the drawing cap), got {value!r}")
+    return value
