@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     regen.add_argument("paths", nargs="*", help="notebooks to execute (default: notebooks/*.ipynb solutions/*.ipynb)")
     regen.set_defaults(func=_cmd_regenerate)
+
+    from .grading import batch  # the grader's options live next to the grader
+
+    grade = sub.add_parser("grade", help="grade submitted notebooks in separate processes; write CSV/JSON")
+    batch.add_arguments(grade)
+    grade.set_defaults(func=batch.run_from_args)
     return parser
 
 
