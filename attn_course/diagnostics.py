@@ -285,7 +285,7 @@ def _torch_weights(module: nn.MultiheadAttention, call: dict[str, object]) -> tu
         masks.append(from_blocked_mask(key_padding)[:, None, None, :])  # (B, 1, 1, S)
     if attn_mask is not None:
         converted = from_blocked_mask(attn_mask)
-        masks.append(converted.view(B, H, L, S) if converted.dim() == 3 else converted)  # (B, H, L, S) or (L, S)
+        masks.append(converted.reshape(B, H, L, S) if converted.dim() == 3 else converted)  # (B, H, L, S) or (L, S)
     if not masks:
         mask = None
     elif all(m.dtype == torch.bool for m in masks):
@@ -296,17 +296,35 @@ def _torch_weights(module: nn.MultiheadAttention, call: dict[str, object]) -> tu
     return weights, _allowed(mask, is_causal=False, L=L, S=S, device=q.device)
 
 
+def _forward_weights(module: MultiHeadAttention, call: dict[str, object]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fallback for subclasses that change ``forward``: call it again with ``need_weights=True``.
+
+    The random state is restored afterwards, so active dropout draws the same masks with or
+    without the capture. The recorded mask is the call's ``mask`` / ``is_causal``.
+    """
+    device = module.q_proj.weight.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _, weights = module.forward(**call, need_weights=True)  # (B, H, L, S)
+    mask = call.get("mask")
+    mask = mask if isinstance(mask, torch.Tensor) else None
+    L, S = weights.shape[-2:]
+    return weights, _allowed(mask, is_causal=bool(call.get("is_causal", False)), L=L, S=S, device=weights.device)
+
+
 def _weights_reader(module: nn.Module):
     """How to read ``module``'s weights, or None if it is not an attention module we know."""
     if callable(getattr(module, "attention_weights", None)):
         return lambda call: module.attention_weights(**call)
     if isinstance(module, MultiHeadAttention):
-        if type(module).forward not in (MultiHeadAttention.forward, GroupedQueryAttention.forward):
+        if type(module).forward in (MultiHeadAttention.forward, GroupedQueryAttention.forward):
+            return lambda call: _course_weights(module, call)
+        if "need_weights" not in inspect.signature(module.forward).parameters:
             raise TypeError(
-                f"{type(module).__name__} overrides forward, so capture_attention cannot know how it forms its weights; "
-                "give it a method attention_weights(**forward_arguments) -> (weights (B, H, L, S), mask or None)"
+                f"{type(module).__name__} overrides forward without a need_weights argument, so capture_attention "
+                "cannot read its weights; give it a method "
+                "attention_weights(**forward_arguments) -> (weights (B, H, L, S), mask or None)"
             )
-        return lambda call: _course_weights(module, call)
+        return lambda call: _forward_weights(module, call)
     if isinstance(module, nn.MultiheadAttention):
         if module.bias_k is not None or module.add_zero_attn:
             raise ValueError("capture_attention does not support nn.MultiheadAttention with add_bias_kv or add_zero_attn")
@@ -318,12 +336,14 @@ def _weights_reader(module: nn.Module):
 def capture_attention(model: nn.Module, *, to_cpu: bool = False) -> Iterator[AttentionCapture]:
     """Record the per-head attention weights of every attention module in ``model``.
 
-    Works without touching the model's code, for modules of type ``MultiHeadAttention``,
-    ``GroupedQueryAttention``, ``nn.MultiheadAttention``, and any module with a method
-    ``attention_weights(**forward_arguments)`` returning ``(weights, mask)`` (as
-    ``DynamicHeadAttention`` has). A forward hook sees each call's arguments and recomputes
-    the weights from the module's own projections -- the same numbers ``need_weights=True``
-    returns (before dropout), at the cost of a second ``q @ k^T`` per layer.
+    Works without touching the model's code. A forward hook sees each call's arguments and
+    recomputes the weights from the module's own projections -- the same numbers
+    ``need_weights=True`` returns (before dropout), at the cost of a second ``q @ k^T`` per
+    layer -- for ``MultiHeadAttention``, ``GroupedQueryAttention`` and ``nn.MultiheadAttention``.
+    A module with a method ``attention_weights(**forward_arguments)`` returning
+    ``(weights, mask)`` (as ``DynamicHeadAttention`` has) is asked through it. Any other
+    ``MultiHeadAttention`` subclass that overrides ``forward`` (e.g. with position terms in
+    the scores) has its ``forward`` called a second time with ``need_weights=True``.
 
         with capture_attention(model) as captured:
             model(x)

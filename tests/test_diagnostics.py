@@ -198,13 +198,33 @@ def test_capture_records_every_call_and_removes_its_hooks(gen):
         captured["nope"]
 
 
-def test_capture_refuses_unknown_subclasses_and_warns_on_empty_models():
-    class Rotated(ac.MultiHeadAttention):
-        def forward(self, query, **kwargs):  # changes how scores are formed
-            return super().forward(query * 2, **kwargs)
+def test_capture_other_subclasses_via_need_weights_or_refuses(gen):
+    class Sharpened(ac.MultiHeadAttention):
+        """Changes how the scores are formed: capture must not assume the parent's recipe."""
 
-    with pytest.raises(TypeError, match=r"Rotated overrides forward.*attention_weights"):
-        with capture_attention(nn.Sequential(Rotated(8, 2))):
+        def forward(self, query, *, mask=None, need_weights=False):
+            return super().forward(3 * query, mask=mask, need_weights=need_weights)
+
+    torch.manual_seed(0)
+    module = Sharpened(8, 2, dtype=torch.float64, dropout=0.5)  # training mode: dropout active
+    x = torch.randn(2, 4, 8, generator=gen, dtype=torch.float64)
+    keep = ac.padding_mask([4, 2])[:, None, None, :]
+    torch.manual_seed(1)
+    plain = [module(x, mask=keep) for _ in range(2)]
+    torch.manual_seed(1)
+    with capture_attention(nn.Sequential(module)) as captured:
+        observed = [module(x, mask=keep) for _ in range(2)]
+    torch.testing.assert_close(observed[1], plain[1], **F64)  # the hook's extra call drew no dropout masks
+    _, expected = module(x, mask=keep, need_weights=True)
+    torch.testing.assert_close(captured["0"], expected, **F64)
+    assert captured.records[0].mask[1, 0, 0].tolist() == [True, True, False, False]
+
+    class Opaque(ac.MultiHeadAttention):
+        def forward(self, query):
+            return super().forward(query)
+
+    with pytest.raises(TypeError, match=r"Opaque overrides forward without a need_weights argument.*attention_weights"):
+        with capture_attention(nn.Sequential(Opaque(8, 2))):
             pass
     with pytest.warns(UserWarning, match=r"found no attention module in Linear"):
         with capture_attention(nn.Linear(2, 2)) as captured:
