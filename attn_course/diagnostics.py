@@ -369,7 +369,8 @@ def capture_attention(model: nn.Module, *, to_cpu: bool = False) -> Iterator[Att
                 weights, mask = reader(call)
             weights = weights.detach()
             if mask is not None:
-                mask = _allowed(mask.detach(), is_causal=False, L=weights.shape[-2], S=weights.shape[-1], device=mask.device)
+                L, S = weights.shape[-2:]
+                mask = _allowed(mask.detach(), is_causal=False, L=L, S=S, device=mask.device)
             if to_cpu:
                 weights = weights.cpu()
                 mask = None if mask is None else mask.cpu()

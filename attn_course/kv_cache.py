@@ -109,7 +109,7 @@ class KVCache:
         expected = (self.batch_size, self.num_kv_heads, None, self.head_dim)
         for name, x in (("k", k), ("v", v)):
             check_tensor(name, x, min_dim=4)
-            if x.dim() != 4 or x.shape[0] != self.batch_size or x.shape[1] != self.num_kv_heads or x.shape[3] != self.head_dim:
+            if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (self.batch_size, self.num_kv_heads, self.head_dim):
                 raise ValueError(
                     f"{name} must be (B, Hkv, T, D) = ({expected[0]}, {expected[1]}, T, {expected[3]}) for this cache, "
                     f"got shape {shape_str(x.shape)}"
@@ -119,7 +119,9 @@ class KVCache:
                     f"{name} is {x.dtype} on {x.device} but the cache holds {self.keys.dtype} on {self.keys.device}"
                 )
         if k.shape[2] != v.shape[2]:
-            raise ValueError(f"k and v must hold the same number of new positions T: k {shape_str(k.shape)}, v {shape_str(v.shape)}")
+            raise ValueError(
+                f"k and v must hold the same number of new positions T: k {shape_str(k.shape)}, v {shape_str(v.shape)}"
+            )
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise RuntimeError(
                 "KVCache is for inference: it writes into its buffers in place, which breaks autograd across steps. "

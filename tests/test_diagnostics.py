@@ -276,7 +276,10 @@ def test_track_gradient_norms_inside_fit_sees_pre_clipping_norms():
 class Block(nn.Module):
     def __init__(self, dim: int, *, dtype=None) -> None:
         super().__init__()
-        self.ffn = nn.Sequential(OrderedDict(up=nn.Linear(dim, 4 * dim, dtype=dtype), act=nn.ReLU(), down=nn.Linear(4 * dim, dim, dtype=dtype)))
+        layers = OrderedDict(
+            up=nn.Linear(dim, 4 * dim, dtype=dtype), act=nn.ReLU(), down=nn.Linear(4 * dim, dim, dtype=dtype)
+        )
+        self.ffn = nn.Sequential(layers)
         self.gain = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ def test_buffer_is_preallocated_and_overflow_is_a_clear_error():
         decode_step(module, x[:, :3], cache)
         decode_step(module, x[:, 3:4], cache)
         assert cache.keys.data_ptr() == buffer and cache.length == 4
-        with pytest.raises(ValueError, match=r"KV cache is full: it holds 4 of max_length=4 positions and cannot take 1 more"):
+        with pytest.raises(ValueError, match=r"KV cache is full: it holds 4 of max_length=4 positions.*take 1 more"):
             decode_step(module, x[:, 4:5], cache)
     assert cache.length == 4, "a refused append must not change the cache"
     cache.reset()
@@ -95,7 +95,7 @@ def test_input_errors():
     module = make_module(2)
     cache = KVCache.for_module(module, batch_size=1, max_length=4)
     x = torch.randn(1, 2, 16, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"the cache is \(B, Hkv, D\) = \(1, 2, 4\) but the module and input need \(1, 4, 4\)"):
+    with pytest.raises(ValueError, match=r"the cache is \(B, Hkv, D\) = \(1, 2, 4\) but .* need \(1, 4, 4\)"):
         decode_step(make_module(None), x, cache)
     with pytest.raises(ValueError, match=r"k must be \(B, Hkv, T, D\) = \(1, 2, T, 4\).*got shape \(1, 4, 2, 4\)"):
         cache.append(torch.zeros(1, 4, 2, 4, dtype=torch.float64), torch.zeros(1, 4, 2, 4, dtype=torch.float64))
@@ -103,7 +103,7 @@ def test_input_errors():
         cache.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     with pytest.raises(RuntimeError, match=r"KVCache is for inference.*torch.no_grad"):
         decode_step(module, x, cache)  # grad mode on, parameters require grad
-    with pytest.raises(TypeError, match=r"decode_step supports MultiHeadAttention and GroupedQueryAttention, got DynamicHeadAttention"):
+    with pytest.raises(TypeError, match=r"supports MultiHeadAttention and GroupedQueryAttention, got DynamicHeadAttention"):
         decode_step(DynamicHeadAttention(16, 4, dtype=torch.float64), x, cache)
     with pytest.raises(TypeError, match=r"cache must be a KVCache, got dict"):
         decode_step(module, x, {})
@@ -130,5 +130,6 @@ def test_on_device(device):
     assert cache.keys.device.type == device.type
     with torch.no_grad():
         expected = module(x, is_causal=True)
-        got = torch.cat([decode_step(module, x[:, :2], cache)] + [decode_step(module, x[:, t : t + 1], cache) for t in range(2, 6)], 1)
+        steps = [decode_step(module, x[:, :2], cache)] + [decode_step(module, x[:, t : t + 1], cache) for t in range(2, 6)]
+        got = torch.cat(steps, dim=1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
