@@ -20,6 +20,11 @@ The source article sketches this with a Python loop over ``max_heads`` separate
 * one module per head run in a loop is slow; here all H heads are computed at once as
   ``(B, H, L, D)`` tensors by the package's attention.
 
+One caution the article does not give: the pooled mean reads the whole sequence, so with
+``is_causal=True`` the head weights of position ``i`` still depend on later tokens. That is
+fine for encoders and classifiers, but it leaks the future in a decoder (and is why
+``attn_course.kv_cache.decode_step`` refuses this module).
+
 Shape legend: B batch, H heads, L query length, S key length, D head dim, E model dim.
 Masks: bool, True = may attend; ``padding_mask`` is ``(B, L)``, True = real token.
 

@@ -29,17 +29,11 @@ import torch.nn as nn
 
 from ._checks import check_tensor, shape_str
 from .bench import time_call
-from .grouped import GroupedQueryAttention, grouped_attention
+from .grouped import GroupedQueryAttention, _positive_int, grouped_attention
 from .masks import causal_mask, combine_masks
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 
 __all__ = ["KVCache", "decode_step", "measure_decoding_speed"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class KVCache:
