@@ -185,7 +185,7 @@ def _diagnose_merge(got: torch.Tensor, x: torch.Tensor) -> str | None:
         [
             (lambda: x.reshape(B, L, H * D),
              "you reshaped (B, H, L, D) straight to (B, L, E) without moving the head axis back: each output row now "
-             "mixes features of different tokens (the bug in the source article's ViT). First .transpose(1, 2) to "
+             "mixes features of different tokens (a classic bug in published ViT code). First .transpose(1, 2) to "
              "(B, L, H, D), then reshape to (B, L, E)."),
             (lambda: x.permute(0, 2, 3, 1).reshape(B, L, H * D),
              "the features of head h must sit together at h*D .. (h+1)*D - 1; yours are interleaved (you flattened "
