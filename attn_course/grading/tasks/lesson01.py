@@ -19,6 +19,12 @@ _SHAPE_ERROR_HINTS = (
 )
 
 
+def _precision_hint(got: torch.Tensor, x: torch.Tensor) -> str:
+    if got.dtype != x.dtype:
+        return f"You computed in {got.dtype}; stay in the input's dtype ({x.dtype}) to keep its precision."
+    return ""
+
+
 # --- 01.stable_softmax ---------------------------------------------------------------------
 # The learner writes stable_softmax(scores) -> softmax over the last dim, safe for huge logits,
 # and 0 (not NaN) for a row that is entirely -inf (a query with nothing to attend to).
@@ -114,7 +120,7 @@ def _judge_softmax(cases, outcomes):
             got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
             (x,) = case.args
             expect_shape(got, x.shape, what=case.name)
-            hint = _diagnose_softmax_values(got, x) or ""
+            hint = _diagnose_softmax_values(got, x) or _precision_hint(got, x)
             expect_close(got, stable_softmax(x), what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("huge logits do not overflow (float32 and float16)"):
         for index, atol in ((_HUGE, 1e-6), (_HALF, 2e-3)):
@@ -308,7 +314,7 @@ def _judge_attention(cases, outcomes):
                 q, k, v = case.args
                 got = returned(outcome, what=case.name, hints=_ATTENTION_ERROR_HINTS)
                 expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
-                hint = _diagnose_attention(got, q, k, v) or ""
+                hint = _diagnose_attention(got, q, k, v) or _precision_hint(got, q)
                 expect_close(got, scaled_dot_product_attention(q, k, v), what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("large scores stay finite (float32)"):
         case, outcome = cases[_LARGE], outcomes[_LARGE]
