@@ -1,17 +1,18 @@
 """The batch grader (`attn-course grade`): honest per-task rows whatever a submission does.
 
-Submissions are built here with nbformat. Most bad behaviours share ONE grader run (each child
-process imports torch, a few seconds), with short limits: 3 s per cell and per function call.
+Submissions are built here with nbformat. Most bad behaviours share ONE `attn-course grade` run
+(each child process imports torch, a few seconds), with short limits: 3 s per cell and per
+function call, 1 GiB of address space.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,8 +22,8 @@ import torch
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from attn_course import cli
-from attn_course.grading import batch
-from attn_course.grading.core import grade_function
+from attn_course.grading import batch, runner
+from attn_course.grading.core import Outcome, grade_function
 from attn_course.grading.tasks import TASKS, tasks_for_lesson
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,13 +63,6 @@ def write_notebook(path: Path, *sources: str) -> Path:
     return path
 
 
-def run_grade(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "attn_course.cli", "grade", *args],
-        capture_output=True, text=True, timeout=timeout,
-    )
-
-
 # --- one grader run over a folder of good and bad submissions --------------------------------
 
 SUBMISSIONS = {
@@ -100,17 +94,17 @@ def graded(tmp_path_factory):
     (folder / "unreadable.ipynb").write_text('{"cells": [ this is not JSON')
     write_notebook(folder / ".ipynb_checkpoints" / "correct-checkpoint.ipynb", "import torch", CORRECT)
     out_csv, out_json = folder.parent / "grades.csv", folder.parent / "grades.json"
-    start = time.perf_counter()
-    proc = run_grade(str(folder), "--tasks", TASK, "--csv", str(out_csv), "--json", str(out_json),
-                     "--timeout", "120", "--cell-timeout", str(CELL_TIMEOUT), "--memory-mb", "1024")
-    seconds = time.perf_counter() - start
-    assert proc.returncode == 0, proc.stderr
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli.main(["grade", str(folder), "--tasks", TASK, "--csv", str(out_csv), "--json", str(out_json),
+                         "--timeout", "120", "--cell-timeout", str(CELL_TIMEOUT), "--memory-mb", "1024"])
+    assert code == 0, stderr.getvalue()
     with open(out_csv, newline="") as f:
         rows = list(csv.DictReader(f))
     data = json.loads(out_json.read_text())
     return {
-        "proc": proc,
-        "seconds": seconds,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
         "rows": rows,
         "row": {row["student"]: row for row in rows},
         "json": {sub["student"]: sub for sub in data["submissions"]},
@@ -126,7 +120,8 @@ def test_batch_goes_on_and_writes_one_row_per_submission_and_task(graded):
         assert [t["task"] for t in sub["tasks"]] == [TASK]
         assert sub["score"] == sum(t["score"] for t in sub["tasks"])
         assert sub["max_score"] == sum(t["max_score"] for t in sub["tasks"]) == 3
-    summary = graded["proc"].stdout
+    summary = graded["stdout"]
+    assert graded["stderr"].count(" s)\n") == len(expected)  # a progress line per notebook
     for name in expected:
         assert name in summary
     assert "8 notebooks, 8 rows" in summary
@@ -199,31 +194,47 @@ def test_an_unreadable_file_gets_a_zero_row(graded):
 # --- limits that need their own run ----------------------------------------------------------
 
 
-def test_a_notebook_past_its_time_limit_is_killed_with_its_whole_process_group(tmp_path):
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for a parent that does not reap it counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_notebook_past_its_time_limit_is_killed_and_keeps_its_finished_tasks(tmp_path):
+    other = next(task for task in TASKS.values() if task.id != TASK)  # any second task
     pid_file = tmp_path / "sleeper.pid"
     path = write_notebook(
         tmp_path / "stubborn.ipynb",
         "import torch",
         CORRECT,
-        # A background process, then a loop that swallows the per-cell alarm.
+        # A background process in the notebook's process group...
         f"import subprocess\nsleeper = subprocess.Popen(['sleep', '600'])\nopen({str(pid_file)!r}, 'w').write(str(sleeper.pid))",
-        "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass",
+        # ...and a function that swallows the per-call alarm, so only the notebook's limit stops it.
+        f"def {other.function_name}(*args, **kwargs):\n    while True:\n        try:\n            while True:\n"
+        "                pass\n        except BaseException:\n            pass",
     )
     start = time.perf_counter()
-    result = batch.grade_notebook(path, task_ids=[TASK], timeout_s=15, cell_timeout_s=1, memory_mb=2048)
-    assert time.perf_counter() - start < 45
-    [row] = result.rows
-    assert (row.status, row.score, row.max_score) == ("timeout", 0.0, 3.0)
-    assert row.feedback == "the notebook timed out after 15 s before this task could be graded"
+    result = batch.grade_notebook(path, task_ids=[TASK, other.id], timeout_s=20, cell_timeout_s=1, memory_mb=2048)
+    assert time.perf_counter() - start < 50
+    first, second = result.rows
+    assert (first.task, first.status, first.score) == (TASK, "graded", 3.0)  # saved before the hang
+    assert (second.task, second.status, second.score) == (other.id, "timeout", 0.0)
+    assert second.max_score > 0
+    assert second.feedback == "the notebook timed out after 20 s before this task could be graded"
     sleeper = int(pid_file.read_text())
     deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            os.kill(sleeper, 0)
-        except ProcessLookupError:
-            break
+    while _alive(sleeper) and time.time() < deadline:
         time.sleep(0.2)
-    else:
+    if _alive(sleeper):
         os.kill(sleeper, signal.SIGKILL)
         pytest.fail("the notebook's background process survived the timeout")
 
@@ -243,6 +254,29 @@ def test_why_a_task_has_no_results(tmp_path, returncode, timed_out, fatal, statu
     row = batch._judge_task(tmp_path / "x.ipynb", TASKS[TASK], run, timeout_s=120, memory_mb=4096)
     assert (row.status, row.score, row.max_score) == (status, 0.0, 3.0)
     assert words in row.feedback
+
+
+class _Liar(torch.Tensor):
+    """A tensor that claims to equal anything: how a submission could fool an in-process judge."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.equal:
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_returned_tensor_subclasses_are_saved_as_plain_tensors(tmp_path):
+    liar = torch.zeros(4, 4, dtype=torch.bool).as_subclass(_Liar)
+    assert torch.equal(liar, torch.ones(4, 4, dtype=torch.bool))  # it lies in this process
+    task = TASKS[TASK]
+    cases = task.make_cases()
+    outcomes = [runner._to_plain(Outcome(returned=liar, args_after=case.args), 5.0) for case in cases]
+    torch.save({"outcomes": outcomes}, tmp_path / "saved.pt")
+    loaded = torch.load(tmp_path / "saved.pt", weights_only=True)["outcomes"]
+    assert type(loaded[0]["returned"]) is torch.Tensor
+    result = task.judge(cases, [Outcome.from_plain(o) for o in loaded])
+    assert not result[1].passed and "cannot see position" in result[1].message
 
 
 # --- naming, task selection, usage errors (no child process) ---------------------------------

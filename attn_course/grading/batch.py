@@ -24,7 +24,6 @@ import csv
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -164,6 +163,8 @@ def _code_cells(path: Path) -> list[str]:
 
 def _limit_resources(memory_mb: int) -> None:
     """Runs in the child between fork and exec: cap its address space, no core dumps."""
+    import resource  # POSIX only
+
     if memory_mb > 0:
         limit = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -235,7 +236,11 @@ def _failed_checks(task: Task, message: str) -> list[CheckResult]:
 
 def _row(path: Path, task: Task, status: str, checks: list[CheckResult], feedback: str | None = None) -> GradeRow:
     if feedback is None:
-        feedback = "\n".join(f"{c.name}: {c.message}" for c in checks if not c.passed)
+        failed = [c for c in checks if not c.passed]
+        if failed and len(failed) == len(checks) and len({c.message for c in failed}) == 1:
+            feedback = failed[0].message  # e.g. "not implemented yet", once rather than per check
+        else:
+            feedback = "\n".join(f"{c.name}: {c.message}" for c in failed)
     return GradeRow(
         submission=str(path),
         student=student_name(path),
@@ -329,7 +334,7 @@ def grade_notebook(path: str | Path, *, task_ids: list[str] | None = None, timeo
     except ValueError as exc:
         result.rows = [_zero_row(path, task, "unreadable", f"{path.name} is {exc}") for task in tasks]
         return result
-    with tempfile.TemporaryDirectory(prefix="attn-course-grade-") as work:
+    with tempfile.TemporaryDirectory(prefix="attn-course-grade-", ignore_cleanup_errors=True) as work:
         run = _run_child(cells, tasks, Path(work), timeout_s=timeout_s, memory_mb=memory_mb,
                          cell_timeout_s=cell_timeout_s)
         result.seconds = run.seconds

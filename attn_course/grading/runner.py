@@ -49,8 +49,7 @@ FORMAT = 1  # version of the per-task files
 # Saved before any submission code runs: the submission may replace the os functions.
 _real_exit = os._exit
 _real_kill = os.kill
-_real_killpg = os.killpg
-_real_abort = os.abort
+_real_killpg = getattr(os, "killpg", None)  # POSIX only; this module is imported everywhere by the CLI
 
 
 class CellTimeout(BaseException):
@@ -177,7 +176,11 @@ class _Guarded:
 def _plain_tensors(value):
     """Every tensor as a plain, detached, CPU ``torch.Tensor`` (no subclasses), recursively."""
     if isinstance(value, torch.Tensor):
-        return torch.Tensor.as_subclass(value.detach().cpu(), torch.Tensor).clone()
+        # A subclass could lie in comparisons (and would not load with weights_only=True).
+        plain = torch.Tensor.as_subclass(value.detach().cpu(), torch.Tensor).clone()
+        if type(plain) is not torch.Tensor:
+            raise TypeError(f"a tensor subclass ({type(value).__name__}) that will not become a plain tensor")
+        return plain
     if isinstance(value, list):
         return [_plain_tensors(v) for v in value]
     if isinstance(value, dict):
@@ -189,7 +192,7 @@ def _to_plain(outcome, timeout_s: float) -> dict:
     """``outcome.to_plain()`` with plain tensors, or an error outcome when the value cannot be saved."""
     try:
         # Converting odd return values may run learner code (__array__, __len__): keep it bounded.
-        return _plain_tensors(_with_time_limit(timeout_s, outcome.to_plain))
+        return _with_time_limit(timeout_s, lambda: _plain_tensors(outcome.to_plain()))
     except BaseException as exc:
         return Outcome(error=f"its return value could not be recorded ({_describe(exc)})").to_plain()
 
