@@ -32,7 +32,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     gflops = matmul_gflops(device=device)
     print(f"matmul 2048x2048 fp32: {gflops:.1f} GFLOP/s")
     result: dict[str, object] = {"device": str(device), "matmul_gflops": gflops}
-    if args.target == "mha":
+    if args.target in ("mha", "all"):
         r = bench_mha(device=device, batch=args.batch, length=args.length, d_model=args.d_model, num_heads=args.heads)
         print(
             f"MultiHeadAttention forward+backward (B={r['batch']}, L={r['length']}, E={r['d_model']}, "
@@ -42,6 +42,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"  torch.nn.MultiheadAttention:    {r['torch_ms']:8.2f} ms")
         print(f"  ratio ours/torch: {r['ratio']:.3f}x (target <= 1.15x)")
         result["mha"] = r
+    if args.target in ("attention", "all"):
+        from .bench import AttentionBenchConfig, report_attention
+
+        config = AttentionBenchConfig(
+            lengths=tuple(args.lengths), heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
+            chunk_size=args.chunk_size, rounds=args.rounds, measure_memory=not args.no_memory,
+        )
+        result["attention"] = report_attention(config, device=device, matmul_rate=gflops, plot_path=args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -89,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
 
     bench = sub.add_parser("bench", help="run a benchmark and print measured figures")
-    bench.add_argument("target", choices=["mha"], help="what to benchmark")
+    bench.add_argument("target", choices=["mha", "attention", "all"], help="what to benchmark")
     bench.add_argument("--device", default=None)
     bench.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     bench.add_argument("--batch", type=int, default=8)
@@ -97,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--d-model", type=int, default=256)
     bench.add_argument("--heads", type=int, default=8)
     bench.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                       help="attention: sequence lengths N (B=1, fp32)")
+    bench.add_argument("--head-dim", type=int, default=64, help="attention: head dim D")
+    bench.add_argument("--block-size", type=int, default=128, help="attention: block-local block")
+    bench.add_argument("--chunk-size", type=int, default=1024, help="attention: chunked query/key chunk")
+    bench.add_argument("--rounds", type=int, default=3, help="attention: interleaved timing rounds (median)")
+    bench.add_argument("--no-memory", action="store_true", help="attention: skip the peak-memory measurements")
+    bench.add_argument("--plot", default=None, help="attention: save the time/memory plot to this PNG")
     bench.set_defaults(func=_cmd_bench)
 
     exercises = sub.add_parser("make-exercises", help="regenerate exercises/ from solutions/")

@@ -1,0 +1,330 @@
+"""Linear attention: replace softmax(q k^T) by a kernel phi(q) phi(k)^T and reassociate.
+
+Softmax attention weighs key ``j`` for query ``i`` by ``exp(q_i . k_j)``. Linear attention
+(Katharopoulos et al. 2020, "Transformers are RNNs") uses a feature map ``phi`` with
+non-negative outputs instead, ``sim(q_i, k_j) = phi(q_i) . phi(k_j)``, so that
+
+    out_i = sum_j sim(q_i, k_j) v_j / sum_j sim(q_i, k_j)
+          = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j))
+
+The bracketed sums ``S = sum_j phi(k_j) v_j^T`` ``(M, Dv)`` and ``z = sum_j phi(k_j)`` ``(M,)``
+do not depend on ``i``: computing them first (associativity of the matrix product) costs
+``O(N M Dv)`` instead of ``O(N^2)``.
+
+* Non-causal: one ``S`` and one ``z`` for the whole sequence.
+* Causal: query ``t`` uses the prefix sums ``S_t = sum_{j<=t} phi(k_j) v_j^T`` and
+  ``z_t``, computed with ``cumsum`` (in chunks of ``chunk_size`` positions so memory stays
+  ``O(chunk M Dv)``, carrying the running sums from chunk to chunk).
+* Recurrent: the same prefix sums updated one token at a time -- an RNN whose state is
+  ``(S_t, z_t)``; :func:`linear_attention_step` decodes step by step in constant memory.
+* :func:`linear_attention_quadratic` computes the same numbers the ``O(N^2)`` way
+  (``phi(Q) phi(K)^T`` then normalise); lessons and tests use it to check the fast forms.
+
+Feature maps: ``"elu"`` (``elu(x) + 1``, the paper's choice), ``"relu"``, or a callable such
+as :class:`RandomFeatureMap` (Performer's FAVOR+ positive random features, Choromanski et
+al. 2021, which approximate the softmax kernel itself).
+
+``eps`` (default ``1e-6``, the value and the place used by the source article and the
+paper's code) is added to the denominator: ``out = num / (den + eps)``. It keeps a row
+finite when ``den`` is 0 -- ``elu(x) + 1`` is exactly 0 in float32 for ``x`` below about
+-16.6, ReLU features are 0 for any negative input, and a fully padded row has no keys --
+and then the output row is 0. float16 / bfloat16 inputs are computed and accumulated in
+float32 (a sum of 16k features of size ~5 already exceeds float16's 65504), then cast back.
+
+Shapes: q ``(..., L, D)``, k ``(..., S, D)``, v ``(..., S, Dv)`` -> ``(..., L, Dv)``; features
+``(..., N, M)``. ``mask`` is a key-padding mask, bool, True = real token, broadcastable to
+``(..., 1, S)`` (``padding_mask(lengths)[:, None, None, :]``).
+
+Taught in lesson 06 (linear attention).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._checks import check_mask, check_qkv, check_tensor, shape_str
+from .masks import _check_length
+
+__all__ = [
+    "elu_feature_map",
+    "relu_feature_map",
+    "RandomFeatureMap",
+    "linear_attention",
+    "linear_attention_quadratic",
+    "LinearAttentionState",
+    "linear_attention_step",
+]
+
+FeatureMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """``elu(x) + 1``: positive, smooth, and linear (``x + 1``) for ``x > 0`` (Katharopoulos et al. 2020)."""
+    return F.elu(x) + 1
+
+
+def relu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x)``: non-negative but exactly 0 for negative inputs (``eps`` then matters)."""
+    return F.relu(x)
+
+
+class RandomFeatureMap(nn.Module):
+    """FAVOR+ positive orthogonal random features (Performer, Choromanski et al. 2021).
+
+    ``phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(M)`` with ``x' = x / D^(1/4)`` satisfies
+    ``E[phi(q) . phi(k)] = exp(q . k / sqrt(D))``: linear attention with this map
+    approximates softmax attention, better as ``num_features`` (M) grows. The rows of the
+    ``(M, D)`` projection ``W`` are drawn orthogonal in blocks of D and rescaled to Gaussian
+    norms, from a seeded generator, so the map is reproducible; it is a buffer (moves with
+    ``.to(device)``), not a parameter.
+    """
+
+    def __init__(self, head_dim: int, *, num_features: int | None = None, seed: int = 0):
+        super().__init__()
+        self.head_dim = _check_length("head_dim", head_dim)
+        self.num_features = _check_length("num_features", 2 * head_dim if num_features is None else num_features)
+        generator = torch.Generator().manual_seed(seed)
+        blocks = []
+        for _ in range(math.ceil(self.num_features / head_dim)):
+            gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)  # (D, D)
+            orthonormal, upper = torch.linalg.qr(gaussian)  # (D, D), orthonormal columns
+            # Fix the signs (Mezzadri 2006): without this, QR's directions are not uniformly
+            # distributed and the kernel estimate stays biased however many features are drawn.
+            orthonormal = orthonormal * torch.sign(torch.diagonal(upper))  # (D, D)
+            blocks.append(orthonormal.T)  # rows orthonormal
+        directions = torch.cat(blocks, dim=0)[: self.num_features]  # (M, D)
+        norms = torch.randn(self.num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=-1)  # (M,)
+        self.register_buffer("projection", (directions * norms[:, None]).float())  # (M, D), float32 like a parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"RandomFeatureMap was built for head_dim {self.head_dim}, got input {shape_str(x.shape)}")
+        x = x * self.head_dim**-0.25  # (..., N, D)
+        projected = torch.matmul(x, self.projection.to(x).T)  # (..., N, M)
+        # W x' - |x'|^2 / 2 <= |W_m|^2 / 2, so the exponent is bounded whatever x is.
+        return torch.exp(projected - x.pow(2).sum(dim=-1, keepdim=True) / 2) / math.sqrt(self.num_features)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_features={self.num_features}"
+
+
+_NAMED_MAPS: dict[str, FeatureMap] = {"elu": elu_feature_map, "relu": relu_feature_map}
+
+
+def _resolve_feature_map(feature_map: str | FeatureMap) -> FeatureMap:
+    if isinstance(feature_map, str):
+        if feature_map not in _NAMED_MAPS:
+            raise ValueError(f"feature_map must be one of {sorted(_NAMED_MAPS)} or a callable, got {feature_map!r}")
+        return _NAMED_MAPS[feature_map]
+    if not callable(feature_map):
+        raise TypeError(f"feature_map must be a name or a callable, got {type(feature_map).__name__}")
+    return feature_map
+
+
+def _check_eps(eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return float(eps)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _features(feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``phi(q)`` ``(..., L, M)`` and ``phi(k)`` ``(..., S, M)``, checked for matching shapes."""
+    phi_q, phi_k = feature_map(q), feature_map(k)
+    if not (isinstance(phi_q, torch.Tensor) and isinstance(phi_k, torch.Tensor)):
+        raise TypeError("feature_map must return tensors")
+    if phi_q.shape[:-1] != q.shape[:-1] or phi_k.shape[:-1] != k.shape[:-1] or phi_q.shape[-1] != phi_k.shape[-1]:
+        raise ValueError(
+            f"feature_map must map (..., N, D) to (..., N, M), got q {shape_str(q.shape)} -> {shape_str(phi_q.shape)} "
+            f"and k {shape_str(k.shape)} -> {shape_str(phi_k.shape)}"
+        )
+    return phi_q, phi_k
+
+
+def _prepare(q, k, v, mask, *, is_causal):
+    L, S, batch_shape = check_qkv(q, k, v)
+    if is_causal and L != S:
+        raise ValueError(
+            f"causal linear attention is for self-attention (query t reads keys 0..t), so q and k need the same "
+            f"length: q is {shape_str(q.shape)}, k is {shape_str(k.shape)}"
+        )
+    if mask is not None:
+        if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-2] == L != 1:
+            raise ValueError(
+                f"linear attention takes a key-padding mask of shape (..., 1, S), got {shape_str(mask.shape)}: it never "
+                "forms the (L, S) matrix an arbitrary mask would act on. Use padding_mask(lengths)[:, None, None, :]."
+            )
+        mask = check_mask(mask, (*batch_shape, 1, S), device=q.device)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"linear attention takes a boolean key mask (True = real token), got dtype {mask.dtype}")
+    return L, S, mask
+
+
+def _masked_key_features(phi_k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero the features of padding keys: they then add nothing to S or z."""
+    if mask is None:
+        return phi_k
+    keep = mask.transpose(-2, -1)  # (..., S, 1)
+    return torch.where(keep, phi_k, torch.zeros_like(phi_k))  # (..., S, M)
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    feature_map: str | FeatureMap = "elu",
+    is_causal: bool = False,
+    eps: float = 1e-6,
+    chunk_size: int = 128,
+) -> torch.Tensor:
+    """Linear attention in ``O(N)``: non-causal by reassociation, causal by prefix sums.
+
+    Args:
+        q, k, v: ``(..., L, D)``, ``(..., S, D)``, ``(..., S, Dv)``.
+        mask: optional key-padding mask, bool, True = real token, broadcastable to ``(..., 1, S)``.
+        feature_map: ``"elu"``, ``"relu"`` or a callable ``(..., N, D) -> (..., N, M)``.
+        is_causal: query ``t`` attends to keys ``0..t`` (needs ``L == S``).
+        eps: added to the denominator (see the module docstring).
+        chunk_size: positions per ``cumsum`` in the causal form (memory ``chunk * M * Dv``).
+    """
+    L, S, mask = _prepare(q, k, v, mask, is_causal=is_causal)
+    feature_map = _resolve_feature_map(feature_map)
+    eps = _check_eps(eps)
+    chunk_size = _check_length("chunk_size", chunk_size)
+    compute = _compute_dtype(q.dtype)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        phi_q, phi_k = _features(feature_map, q.to(compute), k.to(compute))  # (..., L, M), (..., S, M)
+        phi_k = _masked_key_features(phi_k, mask)  # (..., S, M)
+        v = v.to(compute)
+        if not is_causal:
+            kv = torch.matmul(phi_k.transpose(-2, -1), v)  # (..., M, Dv), S = sum_j phi(k_j) v_j^T
+            z = phi_k.sum(dim=-2, keepdim=True)  # (..., 1, M), z = sum_j phi(k_j)
+            numerator = torch.matmul(phi_q, kv)  # (..., L, Dv)
+            denominator = torch.matmul(phi_q, z.transpose(-2, -1))  # (..., L, 1)
+            out = numerator / (denominator + eps)  # (..., L, Dv)
+        else:
+            out = _causal_prefix_sums(phi_q, phi_k, v, eps=eps, chunk_size=chunk_size)
+    return out.to(q.dtype)
+
+
+def _causal_prefix_sums(phi_q, phi_k, v, *, eps, chunk_size):
+    """``out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps)`` with ``S_t``, ``z_t`` from ``cumsum``."""
+    batch_shape = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+    length, features, value_dim = phi_q.shape[-2], phi_q.shape[-1], v.shape[-1]
+    state_kv = phi_q.new_zeros(*batch_shape, 1, features, value_dim)  # (..., 1, M, Dv), sums before this chunk
+    state_z = phi_q.new_zeros(*batch_shape, 1, features)  # (..., 1, M)
+    outputs = []
+    for start in range(0, length, chunk_size):
+        stop = min(start + chunk_size, length)
+        chunk_q, chunk_k = phi_q[..., start:stop, :], phi_k[..., start:stop, :]  # (..., C, M)
+        outer = chunk_k[..., :, :, None] * v[..., start:stop, None, :]  # (..., C, M, Dv), phi(k_j) v_j^T
+        prefix_kv = state_kv + outer.cumsum(dim=-3)  # (..., C, M, Dv), S_t
+        prefix_z = state_z + chunk_k.cumsum(dim=-2)  # (..., C, M), z_t
+        numerator = torch.matmul(chunk_q[..., :, None, :], prefix_kv)[..., 0, :]  # (..., C, Dv)
+        denominator = (chunk_q * prefix_z).sum(dim=-1, keepdim=True)  # (..., C, 1)
+        outputs.append(numerator / (denominator + eps))  # (..., C, Dv)
+        state_kv, state_z = prefix_kv[..., -1:, :, :], prefix_z[..., -1:, :]  # carry S_t, z_t of the last position
+    return torch.cat(outputs, dim=-2)  # (..., L, Dv)
+
+
+def linear_attention_quadratic(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    feature_map: str | FeatureMap = "elu",
+    is_causal: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The same attention the ``O(N^2)`` way: ``A = phi(Q) phi(K)^T``, masked, ``A V / (rowsum(A) + eps)``.
+
+    Equal to :func:`linear_attention` up to rounding. For lessons and tests, not for speed.
+    """
+    L, S, mask = _prepare(q, k, v, mask, is_causal=is_causal)
+    feature_map = _resolve_feature_map(feature_map)
+    eps = _check_eps(eps)
+    compute = _compute_dtype(q.dtype)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        phi_q, phi_k = _features(feature_map, q.to(compute), k.to(compute))  # (..., L, M), (..., S, M)
+        similarity = torch.matmul(phi_q, phi_k.transpose(-2, -1))  # (..., L, S)
+        if mask is not None:
+            similarity = torch.where(mask, similarity, torch.zeros_like(similarity))  # (..., L, S)
+        if is_causal:
+            similarity = torch.tril(similarity)  # (..., L, S), keys j <= i only
+        out = torch.matmul(similarity, v.to(compute)) / (similarity.sum(dim=-1, keepdim=True) + eps)  # (..., L, Dv)
+    return out.to(q.dtype)
+
+
+class LinearAttentionState(NamedTuple):
+    """The recurrent state after ``t`` tokens: ``kv = S_t`` ``(..., M, Dv)`` and ``z = z_t`` ``(..., M)``."""
+
+    kv: torch.Tensor
+    z: torch.Tensor
+
+
+def linear_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: LinearAttentionState | None = None,
+    *,
+    feature_map: str | FeatureMap = "elu",
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """One step of causal linear attention as an RNN: add token ``t``, read out position ``t``.
+
+    ``S_t = S_{t-1} + phi(k_t) v_t^T``, ``z_t = z_{t-1} + phi(k_t)``,
+    ``out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps)``. Constant time and memory per token,
+    whatever ``t`` is. Running it over ``t = 0..L-1`` gives ``linear_attention(...,
+    is_causal=True)``.
+
+    Args:
+        q, k: ``(..., D)`` the current token's query and key; v: ``(..., Dv)``.
+        state: the state after the previous tokens, or ``None`` at the first token.
+
+    Returns:
+        ``(out_t, new_state)`` with ``out_t`` ``(..., Dv)``. The state is kept in float32 for
+        float16 / bfloat16 inputs.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, min_dim=1)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same last dim D, got q {shape_str(q.shape)} and k {shape_str(k.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    feature_map = _resolve_feature_map(feature_map)
+    eps = _check_eps(eps)
+    compute = _compute_dtype(q.dtype)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        phi_q, phi_k = _features(feature_map, q.to(compute)[..., None, :], k.to(compute)[..., None, :])  # (..., 1, M)
+        phi_q, phi_k = phi_q[..., 0, :], phi_k[..., 0, :]  # (..., M)
+        update = phi_k[..., :, None] * v.to(compute)[..., None, :]  # (..., M, Dv), phi(k_t) v_t^T
+        if state is None:
+            kv, z = update, phi_k
+        else:
+            if not isinstance(state, LinearAttentionState):
+                raise TypeError(f"state must be a LinearAttentionState or None, got {type(state).__name__}")
+            if state.kv.shape[-2:] != update.shape[-2:]:
+                raise ValueError(
+                    f"state.kv is (..., M, Dv) = {shape_str(state.kv.shape)} but this token gives "
+                    f"{shape_str(update.shape)}: was the state made with another feature map or value size?"
+                )
+            kv, z = state.kv + update, state.z + phi_k  # (..., M, Dv), (..., M)
+        numerator = torch.matmul(phi_q[..., None, :], kv)[..., 0, :]  # (..., Dv)
+        denominator = (phi_q * z).sum(dim=-1, keepdim=True)  # (..., 1)
+        out = numerator / (denominator + eps)  # (..., Dv)
+    return out.to(q.dtype), LinearAttentionState(kv, z)

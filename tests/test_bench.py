@@ -1,0 +1,158 @@
+"""The attention benchmark: structure, measured (not computed) memory, targets, table, plot, command.
+
+Small sizes only: these tests check that the numbers are measured and reported, not the targets
+themselves (those are for `attn-course bench attention` on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import json
+import pytest
+import torch
+
+import attn_course as ac
+from attn_course.bench import (
+    VARIANTS,
+    AttentionBenchConfig,
+    attention_flops,
+    attention_targets,
+    attention_variant,
+    bench_attention,
+    format_attention_table,
+    largest_tensor_bytes,
+    measure_peak_memory,
+    plot_attention_bench,
+)
+
+TINY = AttentionBenchConfig(lengths=(32, 96), heads=2, head_dim=8, block_size=16, chunk_size=32, rounds=2,
+                            max_quadratic_length=64, measure_memory=False)
+
+
+def test_every_variant_computes_attention():
+    """The benchmark times the right thing: each variant agrees with dense attention (block-local with its mask)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    dense = ac.scaled_dot_product_attention(q, k, v)
+    for name in ("fused", "chunked"):
+        torch.testing.assert_close(attention_variant(name, TINY)(q, k, v), dense, atol=1e-10, rtol=1e-10)
+    from attn_course.sparse import pattern_mask
+
+    block = ac.scaled_dot_product_attention(q, k, v, pattern_mask(40, pattern="block", size=16))
+    torch.testing.assert_close(attention_variant("block_local", TINY)(q, k, v), block, atol=1e-10, rtol=1e-10)
+    assert attention_variant("linear", TINY)(q, k, v).shape == dense.shape
+    with pytest.raises(ValueError, match=r"unknown variant 'sparse'"):
+        attention_variant("sparse", TINY)
+
+
+def test_flop_counts():
+    cfg = AttentionBenchConfig(batch=2, heads=3, head_dim=4, block_size=8)
+    assert attention_flops("dense", 10, cfg) == 4 * 6 * 10 * 10 * 4
+    assert attention_flops("chunked", 10, cfg) == attention_flops("fused", 10, cfg) == attention_flops("dense", 10, cfg)
+    assert attention_flops("block_local", 10, cfg) == 4 * 6 * 16 * 8 * 4  # 10 padded to 2 blocks of 8
+    assert attention_flops("block_local", 5, cfg) == 4 * 6 * 5 * 5 * 4  # one block of the whole sequence
+    assert attention_flops("linear", 10, cfg) == 4 * 6 * 10 * 4 * 5
+
+
+def test_bench_structure_without_memory():
+    results = bench_attention(TINY, matmul_rate=10.0)
+    json.dumps(results)  # JSON-able as it is
+    rows = {(p["variant"], p["length"]) for p in results["points"]}
+    assert rows == {(v, 32) for v in VARIANTS} | {("block_local", 96), ("linear", 96)}  # quadratic ones stop at 64
+    for point in results["points"]:
+        assert point["time_s"] > 0 and point["peak_bytes"] is None
+        assert point["gflops"] == pytest.approx(point["flops"] / point["time_s"] / 1e9)
+        assert point["fraction_of_matmul"] == pytest.approx(point["gflops"] / 10.0)
+    assert results["matmul_gflops"] == 10.0 and results["config"]["lengths"] == (32, 96)
+    assert [t["passed"] for t in results["targets"]] == [None] * 4  # N=8192 etc. were not measured
+    table = format_attention_table(results)
+    assert "block-local" in table and "n/a (not measured)" in table and "of matmul" in table
+
+
+def _synthetic(times: dict, peaks: dict) -> dict:
+    points = [
+        {"variant": v, "length": n, "time_s": t, "peak_bytes": peaks.get((v, n)), "gflops": 1.0,
+         "fraction_of_matmul": 0.1, "flops": 1.0}
+        for (v, n), t in times.items()
+    ]
+    return {"config": {"block_size": 128}, "points": points}
+
+
+def test_targets_pass_and_fail_on_the_ratios():
+    times = {("dense", 8192): 10.0, ("chunked", 8192): 12.0, ("block_local", 8192): 1.0,
+             ("linear", 1024): 1.0, ("linear", 16384): 20.0}
+    peaks = {("dense", 8192): 8000, ("chunked", 8192): 900}
+    verdicts = [t["passed"] for t in attention_targets(_synthetic(times, peaks))]
+    assert verdicts == [True, True, True, True]
+    times.update({("chunked", 8192): 16.0, ("linear", 16384): 25.0, ("block_local", 8192): 2.5})
+    peaks[("chunked", 8192)] = 1100
+    targets = attention_targets(_synthetic(times, peaks))
+    assert [t["passed"] for t in targets] == [False, False, False, False]
+    assert targets[1]["value"] == pytest.approx(1.6) and targets[3]["value"] == pytest.approx(4.0)
+
+
+def test_plot_writes_a_png(tmp_path):
+    results = bench_attention(AttentionBenchConfig(lengths=(16, 32), heads=1, head_dim=4, rounds=1,
+                                                   measure_memory=False), matmul_rate=1.0)
+    path = tmp_path / "bench.png"
+    figure = plot_attention_bench(results, path=path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(figure.axes) == 2 and len(figure.axes[0].lines) == len(VARIANTS)
+
+
+def test_largest_tensor_bytes_sees_the_score_matrix():
+    q = torch.randn(1, 2, 300, 8)
+    assert largest_tensor_bytes(ac.scaled_dot_product_attention, q, q, q, fused=False) >= 2 * 300 * 300 * 4
+    assert largest_tensor_bytes(lambda: q.expand(1000, 2, 300, 8)) == q.untyped_storage().nbytes()  # views are free
+
+
+def test_peak_memory_is_measured_in_a_child_process():
+    """Dense attention's peak grows with N^2 (scores, exps, weights: about 3 * H * N^2 * 4 bytes)."""
+    cfg = AttentionBenchConfig(heads=2, head_dim=16, chunk_size=256)
+    small = measure_peak_memory("dense", 256, cfg)
+    big = measure_peak_memory("dense", 2048, cfg)
+    floor = measure_peak_memory("none", 2048, cfg)
+    chunked = measure_peak_memory("chunked", 2048, cfg)
+    assert big["error"] is None and big["method"].startswith("child process peak RSS")
+    scores = 2 * 2048 * 2048 * 4  # one (H, N, N) float32 matrix: 32 MiB
+    assert big["bytes"] > 1.5 * scores, big  # at least scores + weights really were resident
+    assert big["bytes"] > 20 * small["bytes"], (small, big)
+    assert floor["bytes"] < scores / 8, floor
+    assert chunked["bytes"] < big["bytes"] / 4, (chunked, big)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match=r"variants must be a non-empty subset of"):
+        AttentionBenchConfig(variants=("dense", "flash"))
+    with pytest.raises(ValueError, match=r"dtype must be one of"):
+        AttentionBenchConfig(dtype="int8")
+    with pytest.raises(ValueError, match=r"lengths is empty"):
+        AttentionBenchConfig(lengths=())
+    with pytest.raises(ValueError, match=r"each length must be >= 1, got 0"):
+        AttentionBenchConfig(lengths=(0, 8))
+    with pytest.raises(TypeError, match=r"config must be an AttentionBenchConfig, got dict"):
+        bench_attention({"lengths": (8,)})
+
+
+def test_runs_on_device(device):
+    cfg = AttentionBenchConfig(lengths=(64,), heads=2, head_dim=8, rounds=1, measure_memory=device.type == "cuda")
+    results = bench_attention(cfg, device=device, matmul_rate=1.0)
+    assert results["device"] == str(device) and len(results["points"]) == len(VARIANTS)
+    if device.type == "cuda":
+        assert all(p["peak_bytes"] is not None for p in results["points"])
+
+
+def test_command_prints_table_targets_json_and_plot(tmp_path, capsys):
+    """`attn-course bench attention` (run in-process: a subprocess would pay torch's import again)."""
+    from attn_course.cli import main
+
+    out_json, out_png = tmp_path / "attention.json", tmp_path / "attention.png"
+    code = main(["bench", "attention", "--lengths", "64", "128", "--heads", "2", "--head-dim", "8", "--rounds", "1",
+                 "--no-memory", "--json", str(out_json), "--plot", str(out_png)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "GFLOP/s" in printed and "targets (ratios measured in this run)" in printed
+    assert "linear time t(16384) / t(1024)" in printed and "block-local" in printed
+    figures = json.loads(out_json.read_text())
+    assert figures["attention"]["config"]["lengths"] == [64, 128]
+    assert {p["variant"] for p in figures["attention"]["points"]} == set(VARIANTS)
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
