@@ -67,3 +67,19 @@ def test_console_command_runs():
         [sys.executable, "-m", "attn_course.cli", "info"], capture_output=True, text=True, check=True
     ).stdout
     assert out.startswith("torch ") and "device: cpu" in out or "device: cuda" in out or "device: mps" in out
+
+
+def test_built_wheel_contains_every_subpackage(tmp_path):
+    """Colab installs from git: a wheel that forgot a subpackage breaks every exercise there."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True, capture_output=True, timeout=300,
+    )
+    import zipfile
+
+    (wheel,) = tmp_path.glob("attn_course-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "attn_course").rglob("__init__.py")}
+    for package in packages:
+        assert f"{package}/__init__.py" in names, f"the wheel lacks {package}"
+    assert "attn_course/grading/tasks/lesson03.py" in names
