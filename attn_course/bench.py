@@ -20,7 +20,8 @@ Every figure is measured in the run that prints it; nothing is typed in.
   counter cannot be reset (not Linux) ``ru_maxrss`` before and after is used instead. On
   CUDA it is ``torch.cuda.max_memory_allocated`` minus the memory allocated before the call.
 * **Throughput**: a FLOP count per variant (:func:`attention_flops`) over the time, also as
-  a fraction of the measured rate of one large matmul (:func:`matmul_gflops`).
+  a fraction of the rate of one 2048 x 2048 matmul timed in the same interleaved rounds
+  (the machine's practical peak, measured under the same load).
 
 Taught in lesson 04 (the cost of attention); lessons 05-07 use it for their variants.
 """
@@ -468,18 +469,24 @@ def bench_attention(
 ) -> dict[str, object]:
     """Time (and measure the peak memory of) every variant at every length; return a JSON-able dict.
 
-    Keys: ``device``, ``torch``, ``threads``, ``config``, ``matmul_gflops``, ``memory_method``,
-    ``memory_baseline_bytes``, ``points`` (one dict per variant and length: ``time_s``,
-    ``flops``, ``gflops``, ``fraction_of_matmul``, ``peak_bytes``) and ``targets`` (see
-    :func:`attention_targets`). ``matmul_rate`` (GFLOP/s) is measured when not given.
+    Keys: ``device``, ``torch``, ``threads``, ``config``, ``matmul_gflops`` (the median rate),
+    ``memory_method``, ``memory_baseline_bytes``, ``points`` (one dict per variant and length:
+    ``time_s``, ``flops``, ``gflops``, ``matmul_gflops``, ``fraction_of_matmul``,
+    ``peak_bytes``) and ``targets`` (see :func:`attention_targets`). The matmul rate is that
+    of a 2048 x 2048 matmul timed in the same interleaved rounds as each length's variants;
+    pass ``matmul_rate`` (GFLOP/s) to use a fixed figure instead.
     """
     config = AttentionBenchConfig() if config is None else config
     if not isinstance(config, AttentionBenchConfig):
         raise TypeError(f"config must be an AttentionBenchConfig, got {type(config).__name__}")
     device = torch.device(device)
     say = log or (lambda message: None)
-    if matmul_rate is None:
-        matmul_rate = matmul_gflops(device=device, dtype=config.torch_dtype)
+    # The reference matmul is timed inside the same interleaved rounds as the attention
+    # variants, so that a change in machine load between lengths hits both.
+    size = 2048
+    a = torch.randn(size, size, device=device, dtype=config.torch_dtype)
+    b = torch.randn(size, size, device=device, dtype=config.torch_dtype)
+    rates: list[float] = []
     # Run every code path once on a tiny input first: the first call in a process pays for
     # one-time set-up (thread pools, lazily loaded kernels) that is not attention's cost.
     tiny = _inputs(config, min(config.lengths[0], 64), device)
@@ -498,8 +505,12 @@ def bench_attention(
         q, k, v = _inputs(config, length, device)
         with torch.no_grad():
             fns = {name: (lambda f=attention_variant(name, config): f(q, k, v)) for name in names}
+            if matmul_rate is None:
+                fns["matmul"] = lambda: a @ b
             times = _interleaved_times(fns, device=device, rounds=config.rounds)
         del q, k, v, fns
+        rate = matmul_rate if matmul_rate is not None else 2 * size**3 / times["matmul"] / 1e9
+        rates.append(rate)
         for name in names:
             flops = attention_flops(name, length, config)
             gflops = flops / times[name] / 1e9
@@ -509,9 +520,11 @@ def bench_attention(
                 "time_s": times[name],
                 "flops": flops,
                 "gflops": gflops,
-                "fraction_of_matmul": gflops / matmul_rate,
+                "matmul_gflops": rate,
+                "fraction_of_matmul": gflops / rate,
                 "peak_bytes": None,
             })
+    del a, b
     memory_method, baseline = None, None
     if config.measure_memory:
         if device.type == "cpu":
@@ -530,7 +543,7 @@ def bench_attention(
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "config": dataclasses.asdict(config),
-        "matmul_gflops": matmul_rate,
+        "matmul_gflops": statistics.median(rates),
         "memory_method": memory_method,
         "memory_baseline_bytes": baseline,
         "points": points,
@@ -586,7 +599,8 @@ def format_attention_table(results: dict) -> str:
     cfg = results["config"]
     lines = [
         f"attention forward, B={cfg['batch']} H={cfg['heads']} D={cfg['head_dim']} {cfg['dtype']} on "
-        f"{results['device']} ({results['threads']} threads); matmul rate {results['matmul_gflops']:.1f} GFLOP/s",
+        f"{results['device']} ({results['threads']} threads); 2048 x 2048 matmul {results['matmul_gflops']:.1f} GFLOP/s "
+        "(median; each row uses the rate timed alongside it)",
         f"peak memory: {results['memory_method'] or 'not measured'}"
         + (f"; noise floor {_megabytes(results['memory_baseline_bytes'])} MB subtracted"
            if results["memory_baseline_bytes"] is not None else ""),

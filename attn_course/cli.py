@@ -49,7 +49,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             lengths=tuple(args.lengths), heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
             chunk_size=args.chunk_size, rounds=args.rounds, measure_memory=not args.no_memory,
         )
-        result["attention"] = report_attention(config, device=device, matmul_rate=gflops, plot_path=args.plot)
+        result["attention"] = report_attention(config, device=device, plot_path=args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -113,9 +113,10 @@ def _check_key_mask(mask: object, batch_shape: torch.Size, length: int, *, devic
 
 
 def _attend(q, k, v, allowed, *, scale) -> PartialAttention:
-    """Scores of q ``(..., n, D)`` against k ``(..., m, D)``, masked by ``allowed`` ``(..., n, m)``."""
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (..., n, m)
-    scores = scores.masked_fill(~allowed, float("-inf"))  # (..., n, m)
+    """Scores of q ``(..., n, D)`` against k ``(..., m, D)``, masked by ``allowed`` ``(..., n, m)`` (or None)."""
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., n, m), q scaled first: cheaper than the scores
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))  # (..., n, m)
     return partial_attention(scores, v)
 
 
@@ -141,9 +142,14 @@ def _local_part(q, k, v, key_ok, *, pattern, block, size, is_causal, scale) -> P
     gather = key_pos.clamp(0, padded - 1)  # (nb, nk), indices into the padded sequence
 
     q_blocks = q.reshape(*batch, nblocks, block, head_dim)  # (..., nb, b, D)
-    k_blocks = k[..., gather, :]  # (..., nb, nk, D)
-    v_blocks = v[..., gather, :]  # (..., nb, nk, Dv)
-    usable = (key_ok[..., gather] & in_range)[..., None, :]  # (..., nb, 1, nk)
+    if pattern == "block":  # a query block's keys are its own block: a view, no copy
+        k_blocks = k.reshape(*batch, nblocks, block, head_dim)  # (..., nb, b, D)
+        v_blocks = v.reshape(*batch, nblocks, block, v.shape[-1])  # (..., nb, b, Dv)
+        usable = key_ok.reshape(*key_ok.shape[:-1], nblocks, 1, block)  # (..., nb, 1, b)
+    else:  # gather the neighbouring blocks' keys too
+        k_blocks = k[..., gather, :]  # (..., nb, nk, D)
+        v_blocks = v[..., gather, :]  # (..., nb, nk, Dv)
+        usable = (key_ok[..., gather] & in_range)[..., None, :]  # (..., nb, 1, nk)
 
     offset = query_pos - key_pos[:, None, :]  # (nb, b, nk), i - j
     if pattern == "block":
@@ -155,7 +161,10 @@ def _local_part(q, k, v, key_ok, *, pattern, block, size, is_causal, scale) -> P
     if is_causal:
         relation = relation & (offset >= 0)  # (nb, b, nk)
 
-    part = _attend(q_blocks, k_blocks, v_blocks, relation & usable, scale=scale)
+    allowed = relation & usable  # (..., nb, b, nk)
+    if pattern == "block" and not is_causal and bool(key_ok.all()):
+        allowed = None  # nothing is masked: skip the mask (it would cost a full copy of the scores)
+    part = _attend(q_blocks, k_blocks, v_blocks, allowed, scale=scale)
     return PartialAttention(
         acc=part.acc.reshape(*batch, padded, part.acc.shape[-1]),  # (..., Lp, Dv)
         row_max=part.row_max.reshape(*batch, padded, 1),  # (..., Lp, 1)
@@ -230,7 +239,9 @@ def sparse_attention(
 
     with torch.autocast(device_type=q.device.type, enabled=False):
         qp, kp, vp = (
-            F.pad(x.to(compute), (0, 0, 0, padded - L)).expand(*batch_shape, padded, x.shape[-1])  # (..., Lp, D or Dv)
+            (F.pad(x.to(compute), (0, 0, 0, padded - L)) if padded > L else x.to(compute)).expand(
+                *batch_shape, padded, x.shape[-1]
+            )  # (..., Lp, D or Dv), zero rows appended
             for x in (q, k, v)
         )
         positions = torch.arange(padded, device=q.device)  # (Lp,)

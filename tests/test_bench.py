@@ -135,8 +135,11 @@ def test_config_validation():
 
 def test_runs_on_device(device):
     cfg = AttentionBenchConfig(lengths=(64,), heads=2, head_dim=8, rounds=1, measure_memory=device.type == "cuda")
-    results = bench_attention(cfg, device=device, matmul_rate=1.0)
+    results = bench_attention(cfg, device=device)  # the matmul rate is timed alongside
     assert results["device"] == str(device) and len(results["points"]) == len(VARIANTS)
+    for point in results["points"]:
+        assert point["matmul_gflops"] > 0
+        assert point["fraction_of_matmul"] == pytest.approx(point["gflops"] / point["matmul_gflops"])
     if device.type == "cuda":
         assert all(p["peak_bytes"] is not None for p in results["points"])
 
