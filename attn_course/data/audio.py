@@ -1,0 +1,273 @@
+"""Audio generated in code: telephone-keypad (DTMF) tones in noise, and log-mel spectrograms.
+
+A telephone key sounds two sines at once: one "row" frequency and one "column" frequency
+(ITU-T Q.23)::
+
+               1209 Hz  1336 Hz  1477 Hz  1633 Hz
+      697 Hz      1        2        3        A
+      770 Hz      4        5        6        B
+      852 Hz      7        8        9        C
+      941 Hz      *        0        #        D
+
+:func:`synthesize_clip` renders a sequence of key presses with random tone and gap durations,
+a random start, a random level and white noise at a random signal-to-noise ratio, all
+drawn from a ``torch.Generator`` (so a seed fixes everything). :func:`log_mel_spectrogram`
+turns waveforms into log-mel frames with ``torch.stft`` and a mel filterbank built here
+(:func:`mel_filterbank`, HTK's mel scale) -- no torchaudio, no download.
+
+The lesson-10 task (:func:`make_dtmf_dataset`): each one-second clip holds 2-4 key presses
+of the 12 keys ``1-9 * 0 #``; the label is the key pressed **last**. Which keys sound is
+visible in any single frame; which one came last is a question of order, so the model
+needs position information (relative positions in attention, or the convolution module).
+
+Taught in lesson 10 (Conformer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .._checks import check_tensor, shape_str
+
+__all__ = [
+    "SAMPLE_RATE",
+    "DTMF_KEYS",
+    "ROW_FREQUENCIES",
+    "COLUMN_FREQUENCIES",
+    "key_frequencies",
+    "dtmf_tone",
+    "synthesize_clip",
+    "hz_to_mel",
+    "mel_to_hz",
+    "mel_filterbank",
+    "log_mel_spectrogram",
+    "DTMFDataset",
+    "make_dtmf_dataset",
+    "DTMFSplit",
+    "make_dtmf_split",
+]
+
+SAMPLE_RATE = 8000  # Hz: telephone bandwidth, comfortably above twice the highest tone (1633 Hz)
+ROW_FREQUENCIES: tuple[float, ...] = (697.0, 770.0, 852.0, 941.0)
+COLUMN_FREQUENCIES: tuple[float, ...] = (1209.0, 1336.0, 1477.0, 1633.0)
+_KEYPAD = ("123A", "456B", "789C", "*0#D")
+#: The 12 keys of a telephone, in class-index order.
+DTMF_KEYS = "123456789*0#"
+
+
+def key_frequencies(key: str) -> tuple[float, float]:
+    """The (row, column) frequencies in Hz of a keypad key, e.g. ``'5' -> (770.0, 1336.0)``."""
+    for row, keys in enumerate(_KEYPAD):
+        if isinstance(key, str) and len(key) == 1 and key in keys:
+            return ROW_FREQUENCIES[row], COLUMN_FREQUENCIES[keys.index(key)]
+    raise ValueError(f"{key!r} is not a DTMF key; expected one of {''.join(_KEYPAD)!r}")
+
+
+def dtmf_tone(
+    key: str, num_samples: int, *, sample_rate: int = SAMPLE_RATE, amplitude: float = 1.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``num_samples`` samples of ``key``'s two sines, each of peak ``amplitude``: ``(num_samples,)``."""
+    low, high = key_frequencies(key)
+    t = torch.arange(num_samples, dtype=torch.float64) / sample_rate  # (N,) seconds
+    tone = amplitude * (torch.sin(2 * math.pi * low * t) + torch.sin(2 * math.pi * high * t))  # (N,)
+    return tone.to(dtype)
+
+
+def synthesize_clip(
+    keys: str,
+    *,
+    generator: torch.Generator,
+    sample_rate: int = SAMPLE_RATE,
+    clip_seconds: float = 1.0,
+    tone_seconds: tuple[float, float] = (0.05, 0.12),
+    gap_seconds: tuple[float, float] = (0.04, 0.12),
+    level_db: tuple[float, float] = (-20.0, 0.0),
+    snr_db: tuple[float, float] = (0.0, 20.0),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """One noisy clip ``(clip_seconds * sample_rate,)`` in which ``keys`` are pressed in order.
+
+    Every duration, the start time, the level and the SNR are drawn uniformly from their
+    ranges with ``generator``. Each tone's level also varies by up to +-3 dB. The SNR
+    compares the power of the tones (while sounding) to the power of the white noise.
+    """
+    if not keys:
+        raise ValueError("keys must hold at least one key")
+    num_samples = int(round(clip_seconds * sample_rate))
+
+    def uniform(low: float, high: float) -> float:
+        return low + (high - low) * torch.rand((), generator=generator, dtype=torch.float64).item()
+
+    tones = [int(uniform(*tone_seconds) * sample_rate) for _ in keys]
+    gaps = [int(uniform(*gap_seconds) * sample_rate) for _ in keys[1:]]
+    busy = sum(tones) + sum(gaps)
+    if busy > num_samples:
+        raise ValueError(
+            f"{len(keys)} presses need up to {busy} samples but the clip has {num_samples}: "
+            "use a longer clip_seconds or shorter tone_seconds / gap_seconds"
+        )
+    start = int(uniform(0, num_samples - busy))
+    level = 10 ** (uniform(*level_db) / 20)  # peak amplitude of each sine
+    clip = torch.zeros(num_samples, dtype=torch.float64)
+    position = start
+    for index, (key, length) in enumerate(zip(keys, tones)):
+        amplitude = level * 10 ** (uniform(-3.0, 3.0) / 20)
+        clip[position : position + length] = dtmf_tone(key, length, sample_rate=sample_rate, amplitude=amplitude, dtype=torch.float64)
+        position += length + (gaps[index] if index < len(gaps) else 0)
+    tone_power = level**2  # two sines of peak `level`: 2 * level^2 / 2
+    noise_std = math.sqrt(tone_power / 10 ** (uniform(*snr_db) / 10))
+    noise = torch.randn(num_samples, generator=generator, dtype=torch.float64) * noise_std
+    return (clip + noise).to(dtype)
+
+
+def hz_to_mel(hz: torch.Tensor | float) -> torch.Tensor:
+    """HTK's mel scale: ``2595 * log10(1 + hz / 700)``."""
+    return 2595.0 * torch.log10(1.0 + torch.as_tensor(hz, dtype=torch.float64) / 700.0)
+
+
+def mel_to_hz(mel: torch.Tensor | float) -> torch.Tensor:
+    """Inverse of :func:`hz_to_mel`: ``700 * (10^(mel / 2595) - 1)``."""
+    return 700.0 * (10.0 ** (torch.as_tensor(mel, dtype=torch.float64) / 2595.0) - 1.0)
+
+
+def mel_filterbank(
+    *,
+    n_fft: int,
+    n_mels: int,
+    sample_rate: int = SAMPLE_RATE,
+    f_min: float = 0.0,
+    f_max: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Triangular mel filters ``(n_fft // 2 + 1, n_mels)``: multiply a power spectrum by it.
+
+    ``n_mels + 2`` points equally spaced on the mel scale between ``f_min`` and ``f_max``
+    (default ``sample_rate / 2``) give each filter its left edge, peak and right edge; the
+    filter rises linearly from 0 at its left edge to 1 at its peak and falls back to 0 at
+    its right edge. Between two neighbouring peaks the two filters sum to 1.
+    """
+    f_max = sample_rate / 2 if f_max is None else f_max
+    if n_fft < 2 or n_mels < 1:
+        raise ValueError(f"need n_fft >= 2 and n_mels >= 1, got n_fft={n_fft}, n_mels={n_mels}")
+    if not 0 <= f_min < f_max <= sample_rate / 2:
+        raise ValueError(f"need 0 <= f_min < f_max <= sample_rate / 2 = {sample_rate / 2}, got {f_min}, {f_max}")
+    bin_hz = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1, dtype=torch.float64)  # (n_freqs,)
+    edges = mel_to_hz(torch.linspace(float(hz_to_mel(f_min)), float(hz_to_mel(f_max)), n_mels + 2, dtype=torch.float64))
+    left, centre, right = edges[:-2], edges[1:-1], edges[2:]  # (n_mels,) each
+    rising = (bin_hz[:, None] - left) / (centre - left)  # (n_freqs, n_mels)
+    falling = (right - bin_hz[:, None]) / (right - centre)  # (n_freqs, n_mels)
+    filters = torch.minimum(rising, falling).clamp(min=0.0)  # (n_freqs, n_mels)
+    return filters.to(dtype=dtype, device=device)
+
+
+def log_mel_spectrogram(
+    waveform: torch.Tensor,
+    *,
+    sample_rate: int = SAMPLE_RATE,
+    n_fft: int = 256,
+    hop_length: int = 80,
+    n_mels: int = 40,
+    f_min: float = 0.0,
+    f_max: float | None = None,
+    floor: float = 1e-10,
+) -> torch.Tensor:
+    """Log-mel frames of ``waveform`` ``(..., N)`` -> ``(..., T, n_mels)`` with ``T = N // hop_length + 1``.
+
+    Hann window of ``n_fft`` samples, centred frames every ``hop_length`` samples (at 8 kHz
+    the defaults are 32 ms windows every 10 ms), power spectrum, mel filterbank, natural log
+    (clamped at ``floor``).
+    """
+    waveform = check_tensor("waveform", waveform, min_dim=1)
+    if waveform.shape[-1] < n_fft:
+        raise ValueError(f"waveform must have at least n_fft={n_fft} samples, got shape {shape_str(waveform.shape)}")
+    batch = waveform.shape[:-1]
+    flat = waveform.reshape(-1, waveform.shape[-1])  # (B', N)
+    window = torch.hann_window(n_fft, dtype=waveform.dtype, device=waveform.device)  # (n_fft,)
+    spectrum = torch.stft(flat, n_fft, hop_length=hop_length, window=window, center=True, return_complex=True)  # (B', n_freqs, T)
+    power = spectrum.real.square() + spectrum.imag.square()  # (B', n_freqs, T)
+    filters = mel_filterbank(
+        n_fft=n_fft, n_mels=n_mels, sample_rate=sample_rate, f_min=f_min, f_max=f_max, dtype=waveform.dtype, device=waveform.device
+    )  # (n_freqs, n_mels)
+    mel = torch.matmul(power.transpose(1, 2), filters)  # (B', T, n_mels)
+    return mel.clamp(min=floor).log().reshape(*batch, mel.shape[1], n_mels)  # (..., T, n_mels)
+
+
+@dataclass(frozen=True)
+class DTMFDataset:
+    """Clips of the "last key" task.
+
+    Attributes:
+        features: log-mel frames ``(N, T, n_mels)``.
+        labels: class index ``(N,)`` (int64) of the last key, in ``DTMF_KEYS`` order.
+        sequences: the keys pressed in each clip, e.g. ``"4#1"`` (label ``'1'``).
+    """
+
+    features: torch.Tensor
+    labels: torch.Tensor
+    sequences: tuple[str, ...]
+
+
+def make_dtmf_dataset(
+    num_clips: int,
+    *,
+    seed: int = 0,
+    presses: tuple[int, int] = (2, 4),
+    n_mels: int = 40,
+    return_waveforms: bool = False,
+    **clip_options: object,
+) -> DTMFDataset | tuple[DTMFDataset, torch.Tensor]:
+    """``num_clips`` clips of ``presses[0]..presses[1]`` random keys; label = the key pressed last.
+
+    Deterministic for a given ``seed``. ``clip_options`` go to :func:`synthesize_clip`
+    (durations, level, SNR). With ``return_waveforms`` also returns the clips ``(N, samples)``.
+    """
+    if isinstance(num_clips, bool) or not isinstance(num_clips, int) or num_clips < 1:
+        raise ValueError(f"num_clips must be a positive int, got {num_clips!r}")
+    if not 1 <= presses[0] <= presses[1]:
+        raise ValueError(f"presses must be (low, high) with 1 <= low <= high, got {presses}")
+    generator = torch.Generator().manual_seed(seed)
+    clips, labels, sequences = [], [], []
+    for _ in range(num_clips):
+        count = int(torch.randint(presses[0], presses[1] + 1, (), generator=generator))
+        indices = torch.randint(len(DTMF_KEYS), (count,), generator=generator).tolist()
+        keys = "".join(DTMF_KEYS[i] for i in indices)
+        clips.append(synthesize_clip(keys, generator=generator, **clip_options))  # type: ignore[arg-type]
+        labels.append(indices[-1])
+        sequences.append(keys)
+    waveforms = torch.stack(clips)  # (N, samples)
+    sample_rate = int(clip_options.get("sample_rate", SAMPLE_RATE))  # type: ignore[call-overload]
+    dataset = DTMFDataset(
+        log_mel_spectrogram(waveforms, sample_rate=sample_rate, n_mels=n_mels),  # (N, T, n_mels)
+        torch.tensor(labels, dtype=torch.int64),
+        tuple(sequences),
+    )
+    return (dataset, waveforms) if return_waveforms else dataset
+
+
+@dataclass(frozen=True)
+class DTMFSplit:
+    """Train and test sets, features standardised with the training set's ``mean`` and ``std``."""
+
+    train: DTMFDataset
+    test: DTMFDataset
+    mean: float
+    std: float
+
+
+def make_dtmf_split(
+    *, num_train: int = 3000, num_test: int = 600, seed: int = 0, n_mels: int = 40, **options: object
+) -> DTMFSplit:
+    """Independent train and test sets (different seeds derived from ``seed``), standardised."""
+    train = make_dtmf_dataset(num_train, seed=2 * seed, n_mels=n_mels, **options)  # type: ignore[arg-type]
+    test = make_dtmf_dataset(num_test, seed=2 * seed + 1, n_mels=n_mels, **options)  # type: ignore[arg-type]
+    assert isinstance(train, DTMFDataset) and isinstance(test, DTMFDataset)
+    mean, std = train.features.mean().item(), train.features.std().item()
+
+    def standardise(data: DTMFDataset) -> DTMFDataset:
+        return DTMFDataset((data.features - mean) / std, data.labels, data.sequences)
+
+    return DTMFSplit(standardise(train), standardise(test), mean, std)

@@ -1,0 +1,360 @@
+"""Vision Transformer (Dosovitskiy et al., 2021), small enough to train on a laptop CPU.
+
+    images (B, C, H, W)
+      -> patches: cut into N = (H/p)(W/p) squares of p x p pixels, each flattened  (B, N, C p p)
+      -> patch embedding: one linear map per patch (a strided conv does the same)   (B, N, E)
+      -> prepend a learned class token, add learned positions                       (B, N+1, E)
+      -> depth x pre-norm block:  x = x + MHA(LayerNorm(x));  x = x + MLP(LayerNorm(x))
+      -> LayerNorm, read the class token, linear head                               (B, classes)
+
+The attention is the package's ``MultiHeadAttention``; ask for the per-layer, per-head
+attention maps with ``model(images, return_attention=True)`` and combine them across layers
+with :func:`attention_rollout` (Abnar & Zuidema, 2020).
+
+:func:`token_influence` measures which output tokens change when one input token is
+perturbed: in real self-attention every token reaches every other one. The source article's
+ViT attention (``qkv.reshape(B, N, 3, H, D)`` multiplied without moving the heads in front)
+attends across *heads* inside each token instead; the probe exposes it (see the tests and
+lesson 09).
+
+Shape legend: B batch, H heads, N tokens (patches, + 1 with the class token), E model dim.
+
+Taught in lesson 09 (Vision Transformer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+from ._checks import check_tensor, shape_str
+from .multihead import MultiHeadAttention
+from .positional import LearnedPositionalEmbedding
+
+__all__ = [
+    "ViTConfig",
+    "patchify",
+    "PatchEmbedding",
+    "ViTBlock",
+    "VisionTransformer",
+    "attention_rollout",
+    "token_influence",
+]
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Every size and switch of a :class:`VisionTransformer`.
+
+    Attributes:
+        image_size: height = width of the (square) input images, in pixels.
+        patch_size: side p of the square patches; must divide ``image_size``.
+        in_channels: colour channels C of the images (1 for greyscale).
+        num_classes: size of the classification head's output.
+        d_model: model dim E of every token.
+        depth: number of transformer blocks.
+        num_heads: attention heads H per block; must divide ``d_model``.
+        mlp_ratio: hidden width of each block's MLP, as a multiple of ``d_model``.
+        dropout: dropout after the embeddings and inside/after the MLP and attention output.
+        attention_dropout: dropout on the attention weights.
+        patch_embedding: ``"conv"`` (a ``p x p`` conv with stride ``p``) or ``"linear"``
+            (:func:`patchify` then ``nn.Linear``); the same function, two spellings.
+    """
+
+    image_size: int = 8
+    patch_size: int = 2
+    in_channels: int = 1
+    num_classes: int = 10
+    d_model: int = 64
+    depth: int = 4
+    num_heads: int = 4
+    mlp_ratio: float = 2.0
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    patch_embedding: Literal["conv", "linear"] = "conv"
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model", "depth", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"patch_size={self.patch_size} must divide image_size={self.image_size} (patches tile the image)"
+            )
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.patch_embedding not in ("conv", "linear"):
+            raise ValueError(f"patch_embedding must be 'conv' or 'linear', got {self.patch_embedding!r}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(round(self.d_model * self.mlp_ratio))
+
+    @classmethod
+    def digits(cls) -> ViTConfig:
+        """The lesson-09 model for scikit-learn's 8x8 digits (see ``attn_course.data.images``).
+
+        16 patches of 2x2 pixels, E = 64, 4 blocks of 4 heads: about 0.14 M parameters.
+        Trained with ``attn_course.training.fit`` using :data:`DIGITS_TRAINING` it reaches
+        about 98% test accuracy in under a minute on a 2-core CPU.
+        """
+        return cls(image_size=8, patch_size=2, in_channels=1, num_classes=10, d_model=64, depth=4, num_heads=4)
+
+
+#: Keyword arguments for ``attn_course.training.fit`` that go with ``ViTConfig.digits()``.
+DIGITS_TRAINING: dict[str, float | int] = {"epochs": 30, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.05}
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """Cut images ``(B, C, H, W)`` into flattened patches ``(B, N, C * p * p)``, row by row.
+
+    Patch ``n = r * (W/p) + c`` covers rows ``r p .. r p + p - 1`` and columns
+    ``c p .. c p + p - 1``; its features are ordered (channel, row, column), which is the
+    order of a ``Conv2d`` weight ``(E, C, p, p)`` flattened -- so a strided conv and
+    ``patchify`` + ``Linear`` compute the same embedding.
+    """
+    images = check_tensor("images", images, min_dim=4)
+    if images.dim() != 4:
+        raise ValueError(f"images must be (B, C, H, W), got shape {shape_str(images.shape)}")
+    if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
+        raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
+    B, C, H, W = images.shape
+    p = patch_size
+    if H % p or W % p:
+        raise ValueError(f"patch_size={p} must divide the image height and width, got images {shape_str(images.shape)}")
+    x = images.reshape(B, C, H // p, p, W // p, p)  # (B, C, H/p, p, W/p, p)
+    x = x.permute(0, 2, 4, 1, 3, 5)  # (B, H/p, W/p, C, p, p)
+    return x.reshape(B, (H // p) * (W // p), C * p * p)  # (B, N, C p p)
+
+
+class PatchEmbedding(nn.Module):
+    """Images ``(B, C, H, W)`` -> one E-dim token per patch ``(B, N, E)``.
+
+    ``method="conv"``: ``Conv2d(C, E, kernel_size=p, stride=p)``, then flatten the grid.
+    ``method="linear"``: :func:`patchify`, then ``Linear(C p p, E)``. Same maths; the conv
+    is the usual spelling, the linear one shows what it does.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        in_channels: int,
+        d_model: int,
+        *,
+        method: Literal["conv", "linear"] = "conv",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if method not in ("conv", "linear"):
+            raise ValueError(f"method must be 'conv' or 'linear', got {method!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.method = method
+        self.num_patches = (image_size // patch_size) ** 2
+        if method == "conv":
+            self.proj: nn.Module = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size, **factory)
+        else:
+            self.proj = nn.Linear(in_channels * patch_size * patch_size, d_model, **factory)
+
+    def extra_repr(self) -> str:
+        return f"image_size={self.image_size}, patch_size={self.patch_size}, method={self.method!r}"
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        images = check_tensor("images", images, min_dim=4)
+        expected = (self.in_channels, self.image_size, self.image_size)
+        if images.dim() != 4 or tuple(images.shape[1:]) != expected:
+            raise ValueError(
+                f"images must be (B, C, H, W) = (B, {', '.join(map(str, expected))}), got {shape_str(images.shape)}"
+            )
+        if self.method == "conv":
+            grid = self.proj(images)  # (B, E, H/p, W/p)
+            return grid.flatten(2).transpose(1, 2)  # (B, N, E)
+        return self.proj(patchify(images, self.patch_size))  # (B, N, E)
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm transformer block: ``x + MHA(LN(x))``, then ``x + MLP(LN(x))`` on ``(B, N, E)``."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        mlp_dim: int,
+        *,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.norm1 = nn.LayerNorm(d_model, **factory)
+        self.attention = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, **factory)
+        self.dropout1 = nn.Dropout(dropout)
+        self.norm2 = nn.LayerNorm(d_model, **factory)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, mlp_dim, **factory),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(mlp_dim, d_model, **factory),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor, *, need_weights: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``(B, N, E)`` -> ``(B, N, E)``, plus the weights ``(B, H, N, N)`` if ``need_weights``."""
+        attended = self.attention(self.norm1(x), need_weights=need_weights)
+        attended, weights = attended if need_weights else (attended, None)  # (B, N, E)
+        x = x + self.dropout1(attended)  # (B, N, E)
+        x = x + self.mlp(self.norm2(x))  # (B, N, E)
+        return (x, weights) if need_weights else x
+
+
+class VisionTransformer(nn.Module):
+    """A ViT classifier built from a :class:`ViTConfig`.
+
+    ``forward(images)`` -> logits ``(B, num_classes)``;
+    ``forward(images, return_attention=True)`` -> ``(logits, maps)`` with one ``(B, H, N+1, N+1)``
+    tensor per block (token 0 is the class token).
+    """
+
+    def __init__(
+        self,
+        config: ViTConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, ViTConfig):
+            raise TypeError(f"config must be a ViTConfig, got {type(config).__name__}")
+        factory = {"device": device, "dtype": dtype}
+        self.config = config
+        self.patch_embedding = PatchEmbedding(
+            config.image_size, config.patch_size, config.in_channels, config.d_model, method=config.patch_embedding, **factory
+        )
+        self.class_token = nn.Parameter(torch.zeros(1, 1, config.d_model, **factory))
+        self.positions = LearnedPositionalEmbedding(config.num_patches + 1, config.d_model, **factory)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            ViTBlock(
+                config.d_model,
+                config.num_heads,
+                config.mlp_dim,
+                dropout=config.dropout,
+                attention_dropout=config.attention_dropout,
+                **factory,
+            )
+            for _ in range(config.depth)
+        )
+        self.norm = nn.LayerNorm(config.d_model, **factory)
+        self.head = nn.Linear(config.d_model, config.num_classes, **factory)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Truncated-normal (std 0.02) linear weights and zero biases, as in the ViT paper's code."""
+        nn.init.trunc_normal_(self.class_token, std=0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def encode(
+        self, images: torch.Tensor, *, return_attention: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Images ``(B, C, H, W)`` -> normalised tokens ``(B, N+1, E)`` (class token first)."""
+        patches = self.patch_embedding(images)  # (B, N, E)
+        B = patches.shape[0]
+        cls = self.class_token.expand(B, -1, -1)  # (B, 1, E)
+        x = self.dropout(self.positions(torch.cat((cls, patches), dim=1)))  # (B, N+1, E)
+        maps = []
+        for block in self.blocks:
+            if return_attention:
+                x, weights = block(x, need_weights=True)  # (B, N+1, E), (B, H, N+1, N+1)
+                maps.append(weights)
+            else:
+                x = block(x)  # (B, N+1, E)
+        x = self.norm(x)  # (B, N+1, E)
+        return (x, maps) if return_attention else x
+
+    def forward(
+        self, images: torch.Tensor, *, return_attention: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        encoded = self.encode(images, return_attention=return_attention)
+        tokens, maps = encoded if return_attention else (encoded, None)  # (B, N+1, E)
+        logits = self.head(tokens[:, 0])  # (B, num_classes), read from the class token
+        return (logits, maps) if return_attention else logits
+
+
+def attention_rollout(maps: list[torch.Tensor] | tuple[torch.Tensor, ...], *, residual: bool = True) -> torch.Tensor:
+    """Attention rollout (Abnar & Zuidema, 2020): how much each output token draws on each input token.
+
+    Each layer's maps ``(B, H, N, N)`` are averaged over heads; with ``residual`` the skip
+    connection is accounted for as ``0.5 * A + 0.5 * I`` (rows re-normalised); the layers
+    are then chained by matrix products, first layer on the right:
+    ``R = A_depth @ ... @ A_2 @ A_1``. Returns ``(B, N, N)`` with rows summing to 1.
+    Row 0 over columns 1.. is the class token's view of the patches.
+    """
+    if len(maps) == 0:
+        raise ValueError("attention_rollout needs at least one layer's attention maps")
+    first = check_tensor("maps[0]", maps[0], min_dim=4)
+    B, H, N, N2 = first.shape
+    if first.dim() != 4 or N != N2:
+        raise ValueError(f"each attention map must be (B, H, N, N), got {shape_str(first.shape)}")
+    eye = torch.eye(N, dtype=first.dtype, device=first.device)  # (N, N)
+    rollout = eye.expand(B, N, N)  # (B, N, N)
+    for index, weights in enumerate(maps):
+        if weights.shape != first.shape:
+            raise ValueError(f"maps[{index}] has shape {shape_str(weights.shape)}, expected {shape_str(first.shape)}")
+        joint = weights.mean(dim=1)  # (B, N, N), heads averaged
+        if residual:
+            joint = 0.5 * joint + 0.5 * eye  # (B, N, N)
+            joint = joint / joint.sum(dim=-1, keepdim=True)  # (B, N, N), rows sum to 1
+        rollout = torch.matmul(joint, rollout)  # (B, N, N)
+    return rollout
+
+
+@torch.no_grad()
+def token_influence(
+    mixer: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, *, scale: float = 1.0
+) -> torch.Tensor:
+    """Which output tokens move when one input token moves: ``(N_out, N_in)`` of max absolute changes.
+
+    ``mixer`` maps ``(B, N, E) -> (B, N, E)`` (an attention layer, a block, a stack).
+    For every input token ``j``, adds ``scale`` times a fixed random vector to token ``j``
+    of every batch item and records, for every output token ``i``, the largest absolute
+    change. Self-attention lets every token reach every other, so (almost surely) every
+    entry is positive; a layer that only mixes within a token gives a diagonal-ish matrix.
+    """
+    tokens = check_tensor("tokens", tokens, min_dim=3)
+    if tokens.dim() != 3:
+        raise ValueError(f"tokens must be (B, N, E), got {shape_str(tokens.shape)}")
+    B, N, E = tokens.shape
+    generator = torch.Generator().manual_seed(0)
+    direction = torch.randn(E, generator=generator).to(device=tokens.device, dtype=tokens.dtype) * scale  # (E,)
+    baseline = mixer(tokens)  # (B, N, E)
+    influence = torch.zeros(N, N, dtype=tokens.dtype, device=tokens.device)  # (N_out, N_in)
+    for j in range(N):
+        moved = tokens.clone()
+        moved[:, j] += direction
+        change = (mixer(moved) - baseline).abs()  # (B, N, E)
+        influence[:, j] = change.amax(dim=(0, 2))  # (N,)
+    return influence

@@ -1,0 +1,147 @@
+"""DTMF audio generated in code: tones, clips, mel filterbank, log-mel spectrogram, the dataset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attn_course.data.audio import (
+    DTMF_KEYS,
+    SAMPLE_RATE,
+    dtmf_tone,
+    hz_to_mel,
+    key_frequencies,
+    log_mel_spectrogram,
+    make_dtmf_dataset,
+    make_dtmf_split,
+    mel_filterbank,
+    mel_to_hz,
+    synthesize_clip,
+)
+
+
+def test_keypad_frequencies():
+    assert key_frequencies("5") == (770.0, 1336.0)
+    assert key_frequencies("*") == (941.0, 1209.0)
+    assert key_frequencies("D") == (941.0, 1633.0)
+    assert len(DTMF_KEYS) == 12 and len({key_frequencies(k) for k in DTMF_KEYS}) == 12
+    with pytest.raises(ValueError, match="not a DTMF key"):
+        key_frequencies("x")
+
+
+def test_tone_has_exactly_its_two_frequencies():
+    tone = dtmf_tone("9", SAMPLE_RATE, dtype=torch.float64)  # one second: FFT bins are 1 Hz apart
+    magnitude = torch.fft.rfft(tone).abs()
+    assert sorted(magnitude.topk(2).indices.tolist()) == [852, 1477]
+    assert magnitude[852].item() == pytest.approx(SAMPLE_RATE / 2, rel=1e-6)
+
+
+def _dominant_key(segment: torch.Tensor) -> str:
+    """The key whose two frequencies carry the most energy in ``segment`` (a Goertzel-style probe)."""
+    t = torch.arange(segment.shape[0], dtype=torch.float64) / SAMPLE_RATE
+
+    def energy(f):
+        return (segment * torch.exp(-2j * math.pi * f * t)).sum().abs().item()
+
+    return max(DTMF_KEYS, key=lambda k: sum(energy(f) for f in key_frequencies(k)))
+
+
+def test_clip_presses_the_keys_in_order_and_is_deterministic():
+    options = {"snr_db": (30.0, 30.0), "tone_seconds": (0.1, 0.1), "gap_seconds": (0.1, 0.1)}
+    clip = synthesize_clip("3#7", generator=torch.Generator().manual_seed(0), dtype=torch.float64, **options)
+    assert clip.shape == (SAMPLE_RATE,)
+    loud = (clip.unfold(0, 80, 80).square().mean(-1) > 0.5 * clip.square().max().item() / 4)  # (100,) 10 ms windows
+    starts = [i for i in range(1, 100) if loud[i] and not loud[i - 1]] or [0]
+    if loud[0]:
+        starts = [0] + starts
+    assert len(starts) == 3
+    keys = "".join(_dominant_key(clip[80 * s + 80 : 80 * s + 720]) for s in starts)
+    assert keys == "3#7"
+    again = synthesize_clip("3#7", generator=torch.Generator().manual_seed(0), dtype=torch.float64, **options)
+    assert torch.equal(clip, again)
+    other = synthesize_clip("3#7", generator=torch.Generator().manual_seed(1), dtype=torch.float64, **options)
+    assert not torch.equal(clip, other)
+
+
+def test_clip_snr_is_what_was_asked():
+    gen = torch.Generator().manual_seed(0)
+    noise_only = synthesize_clip("1", generator=gen, snr_db=(10.0, 10.0), level_db=(0.0, 0.0), tone_seconds=(0.001, 0.001))
+    # Tone power is level^2 = 1 at 0 dB, so the noise power is 10^(-10/10) = 0.1.
+    assert noise_only.square().mean().item() == pytest.approx(0.1, rel=0.05)
+    with pytest.raises(ValueError, match="longer clip_seconds"):
+        synthesize_clip("1234567890", generator=gen, tone_seconds=(0.1, 0.1))
+
+
+def test_mel_scale_round_trip():
+    assert hz_to_mel(1000.0).item() == pytest.approx(1000.0, abs=0.1)  # HTK: 1000 Hz is ~1000 mel
+    hz = torch.tensor([0.0, 440.0, 3999.0], dtype=torch.float64)
+    torch.testing.assert_close(mel_to_hz(hz_to_mel(hz)), hz)
+
+
+def test_mel_filterbank_triangles():
+    filters = mel_filterbank(n_fft=512, n_mels=20, dtype=torch.float64)  # (257, 20)
+    assert filters.shape == (257, 20) and (filters >= 0).all() and filters.max() <= 1
+    bin_hz = torch.linspace(0, SAMPLE_RATE / 2, 257, dtype=torch.float64)
+    edges = mel_to_hz(torch.linspace(0, hz_to_mel(SAMPLE_RATE / 2).item(), 22, dtype=torch.float64))
+    peaks = filters.argmax(0)
+    # Each filter peaks at one of the two FFT bins around its centre frequency, in increasing order.
+    bin_width = bin_hz[1] - bin_hz[0]
+    assert ((bin_hz[peaks] - edges[1:-1]).abs() < bin_width).all() and (peaks.diff() > 0).all()
+    # ... and is zero at and beyond its edges.
+    for m in range(20):
+        outside = (bin_hz <= edges[m]) | (bin_hz >= edges[m + 2])
+        assert (filters[outside, m] == 0).all()
+    # Between the first and the last centre, neighbouring triangles sum to exactly 1.
+    inside = (bin_hz >= edges[1]) & (bin_hz <= edges[-2])
+    torch.testing.assert_close(filters[inside].sum(1), torch.ones(int(inside.sum()), dtype=torch.float64))
+    with pytest.raises(ValueError, match="f_max"):
+        mel_filterbank(n_fft=256, n_mels=10, f_max=5000.0)
+
+
+def test_log_mel_matches_a_direct_dft_of_one_frame():
+    gen = torch.Generator().manual_seed(0)
+    wave = torch.randn(2, 1600, generator=gen, dtype=torch.float64)
+    n_fft, hop = 256, 80
+    out = log_mel_spectrogram(wave, n_fft=n_fft, hop_length=hop, n_mels=16)
+    assert out.shape == (2, 1600 // hop + 1, 16) and out.dtype == torch.float64
+    t = 7  # a frame away from the edges: samples t*hop - n_fft/2 .. + n_fft
+    frame = wave[1, t * hop - n_fft // 2 : t * hop + n_fft // 2]
+    n = torch.arange(n_fft, dtype=torch.float64)
+    window = 0.5 - 0.5 * torch.cos(2 * math.pi * n / n_fft)  # periodic Hann
+    k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)
+    dft = (frame * window * torch.exp(-2j * math.pi * k[:, None] * n / n_fft)).sum(-1)  # (n_freqs,)
+    expected = (dft.abs().square() @ mel_filterbank(n_fft=n_fft, n_mels=16, dtype=torch.float64)).log()
+    torch.testing.assert_close(out[1, t], expected, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(log_mel_spectrogram(wave[0], n_mels=16), out[0])  # unbatched works too
+
+
+def test_log_mel_of_a_tone_lights_its_band():
+    filters = mel_filterbank(n_fft=256, n_mels=40, dtype=torch.float64)
+    tone = dtmf_tone("1", 4000, dtype=torch.float64)  # 697 + 1209 Hz
+    mel = log_mel_spectrogram(tone).mean(0)  # (40,)
+    bin_hz = torch.linspace(0, SAMPLE_RATE / 2, 129, dtype=torch.float64)
+    for f in key_frequencies("1"):
+        band = int(filters[(bin_hz - f).abs().argmin()].argmax())
+        assert mel[band] > mel.median() + 5  # far above the rest (natural log of power)
+
+
+def test_dataset_labels_are_the_last_key_and_deterministic():
+    data = make_dtmf_dataset(24, seed=3)
+    assert data.features.shape == (24, 101, 40) and data.labels.shape == (24,)
+    assert all(2 <= len(s) <= 4 for s in data.sequences)
+    assert [DTMF_KEYS[i] for i in data.labels.tolist()] == [s[-1] for s in data.sequences]
+    again = make_dtmf_dataset(24, seed=3)
+    assert torch.equal(again.features, data.features) and again.sequences == data.sequences
+    assert make_dtmf_dataset(24, seed=4).sequences != data.sequences
+    one, waves = make_dtmf_dataset(2, seed=0, presses=(1, 1), return_waveforms=True)
+    assert waves.shape == (2, SAMPLE_RATE) and all(len(s) == 1 for s in one.sequences)
+
+
+def test_split_is_standardised_with_training_statistics():
+    split = make_dtmf_split(num_train=40, num_test=20, seed=0)
+    assert abs(split.train.features.mean().item()) < 1e-4
+    assert abs(split.train.features.std().item() - 1) < 1e-4
+    assert split.train.sequences != split.test.sequences[: len(split.train.sequences)]
+    assert split.test.features.shape == (20, 101, 40)

@@ -1,0 +1,281 @@
+"""Vision Transformer: patches, shapes, gradients, config fields, attention maps, rollout, and
+the token-mixing probe that catches the source article's ViT attention bug."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from attn_course.multihead import MultiHeadAttention
+from attn_course.vit import (
+    PatchEmbedding,
+    ViTBlock,
+    ViTConfig,
+    VisionTransformer,
+    attention_rollout,
+    patchify,
+    token_influence,
+)
+
+SMALL = ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=16, depth=2, num_heads=2)
+
+
+def small_model(config: ViTConfig = SMALL, *, dtype=torch.float64, device="cpu") -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(config, dtype=dtype, device=device).eval()
+
+
+def images_for(config: ViTConfig, batch: int = 2, *, dtype=torch.float64) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(batch, config.in_channels, config.image_size, config.image_size, generator=gen, dtype=dtype)
+
+
+# ---------------------------------------------------------------- patches
+
+
+def test_patchify_cuts_row_by_row():
+    images = torch.arange(2 * 4 * 4, dtype=torch.float32).reshape(1, 2, 4, 4)  # (B, C, H, W)
+    patches = patchify(images, 2)
+    assert patches.shape == (1, 4, 2 * 2 * 2)
+    # Patch 1 is the top-right square: rows 0-1, columns 2-3, channel 0 then channel 1.
+    expected = torch.cat([images[0, 0, 0:2, 2:4].flatten(), images[0, 1, 0:2, 2:4].flatten()])
+    assert torch.equal(patches[0, 1], expected)
+    unfolded = nn.functional.unfold(images, kernel_size=2, stride=2).transpose(1, 2)  # (B, N, C p p)
+    assert torch.equal(patches, unfolded)
+    with pytest.raises(ValueError, match="must divide"):
+        patchify(images, 3)
+
+
+def test_conv_and_linear_patch_embeddings_agree():
+    torch.manual_seed(0)
+    conv = PatchEmbedding(8, 4, 3, 16, method="conv", dtype=torch.float64)
+    linear = PatchEmbedding(8, 4, 3, 16, method="linear", dtype=torch.float64)
+    with torch.no_grad():
+        linear.proj.weight.copy_(conv.proj.weight.reshape(16, 3 * 4 * 4))  # (E, C p p)
+        linear.proj.bias.copy_(conv.proj.bias)
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(linear(images), conv(images), atol=1e-12, rtol=1e-12)
+    assert conv(images).shape == (2, 4, 16)
+    with pytest.raises(ValueError, match=r"\(B, 3, 8, 8\)"):
+        conv(torch.randn(2, 1, 8, 8, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_shapes_maps_and_rows(device):
+    model = small_model(device=device)
+    images = images_for(SMALL).to(device)
+    logits, maps = model(images, return_attention=True)
+    assert logits.shape == (2, 3)
+    N = SMALL.num_patches + 1
+    assert len(maps) == SMALL.depth
+    for weights in maps:
+        assert weights.shape == (2, SMALL.num_heads, N, N)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, SMALL.num_heads, N, dtype=torch.float64, device=device))
+    torch.testing.assert_close(model(images), logits)  # the fused path gives the same logits
+    assert model.encode(images).shape == (2, N, SMALL.d_model)
+
+
+def test_every_parameter_gets_a_gradient_and_nothing_is_nan():
+    model = small_model().train()
+    logits = model(images_for(SMALL))
+    assert torch.isfinite(logits).all()
+    nn.functional.cross_entropy(logits, torch.tensor([0, 2])).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name
+
+
+def test_state_dict_keys():
+    keys = set(small_model().state_dict())
+    assert {"class_token", "positions.weight", "patch_embedding.proj.weight", "head.weight", "norm.weight"} <= keys
+    assert "blocks.1.attention.q_proj.weight" in keys and "blocks.2.norm1.weight" not in keys
+
+
+def test_block_is_pre_norm_with_residuals():
+    torch.manual_seed(0)
+    block = ViTBlock(8, 2, 16, dtype=torch.float64).eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    after_attention = x + block.attention(block.norm1(x))
+    expected = after_attention + block.mlp(block.norm2(after_attention))
+    torch.testing.assert_close(block(x), expected, atol=1e-12, rtol=1e-12)
+
+
+def _parameter_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ViTConfig)])
+def test_every_config_field_changes_the_model(field):
+    changed_values = {
+        "image_size": 12,
+        "patch_size": 2,
+        "in_channels": 3,
+        "num_classes": 5,
+        "d_model": 24,
+        "depth": 3,
+        "num_heads": 4,
+        "mlp_ratio": 3.0,
+        "dropout": 0.5,
+        "attention_dropout": 0.5,
+        "patch_embedding": "linear",
+    }
+    assert set(changed_values) == {f.name for f in dataclasses.fields(ViTConfig)}, "a new field needs a case here"
+    base = SMALL
+    changed = dataclasses.replace(base, **{field: changed_values[field]})
+    a, b = small_model(base), small_model(changed)
+    if field in ("dropout", "attention_dropout"):
+        # Same parameters; in training mode the outputs become random, in eval mode identical.
+        assert _parameter_shapes(a) == _parameter_shapes(b)
+        images = images_for(base)
+        b.load_state_dict(a.state_dict())
+        torch.testing.assert_close(b.eval()(images), a.eval()(images))
+        b.train()
+        torch.manual_seed(0)
+        first = b(images)
+        torch.manual_seed(1)
+        assert not torch.allclose(first, b(images)), f"{field} has no effect in training mode"
+        if field == "attention_dropout":
+            assert all(block.attention.dropout == 0.5 for block in b.blocks)
+        else:
+            assert all(block.attention.dropout == 0.0 for block in b.blocks)
+        return
+    if field == "num_heads":
+        # Same parameter shapes, different split: the attention maps gain heads.
+        images = images_for(base)
+        assert model_maps(b, images)[0].shape[1] == 4 and model_maps(a, images)[0].shape[1] == 2
+        b.load_state_dict(a.state_dict())
+        assert not torch.allclose(a(images), b(images))
+        return
+    assert _parameter_shapes(a) != _parameter_shapes(b), f"{field} did not change the model"
+    logits = b(images_for(changed))
+    assert logits.shape == (2, changed.num_classes)
+
+
+def model_maps(model: VisionTransformer, images: torch.Tensor) -> list[torch.Tensor]:
+    return model(images, return_attention=True)[1]
+
+
+def test_config_validation_and_preset():
+    with pytest.raises(ValueError, match="must divide image_size"):
+        ViTConfig(image_size=8, patch_size=3)
+    with pytest.raises(ValueError, match="must divide d_model"):
+        ViTConfig(d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match="patch_embedding"):
+        ViTConfig(patch_embedding="unfold")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SMALL.depth = 3  # type: ignore[misc]
+    preset = ViTConfig.digits()
+    assert (preset.image_size, preset.in_channels, preset.num_classes) == (8, 1, 10)
+    with pytest.raises(TypeError, match="ViTConfig"):
+        VisionTransformer({"depth": 2})  # type: ignore[arg-type]
+
+
+def test_a_few_steps_reduce_the_loss_on_a_tiny_batch():
+    torch.manual_seed(0)
+    model = VisionTransformer(SMALL)
+    images = torch.randn(8, 1, 8, 8)
+    labels = torch.arange(8) % 3
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss = nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+# ---------------------------------------------------------------- attention rollout
+
+
+def test_rollout_of_one_layer_is_the_head_mean_mixed_with_identity():
+    maps = [torch.softmax(torch.randn(2, 3, 5, 5, dtype=torch.float64), dim=-1)]
+    expected = 0.5 * maps[0].mean(1) + 0.5 * torch.eye(5, dtype=torch.float64)
+    torch.testing.assert_close(attention_rollout(maps), expected)
+    torch.testing.assert_close(attention_rollout(maps, residual=False), maps[0].mean(1))
+
+
+def test_rollout_chains_layers_first_layer_on_the_right():
+    gen = torch.Generator().manual_seed(0)
+    maps = [torch.softmax(torch.randn(1, 2, 4, 4, dtype=torch.float64, generator=gen), dim=-1) for _ in range(3)]
+    mixed = [0.5 * m.mean(1) + 0.5 * torch.eye(4, dtype=torch.float64) for m in maps]
+    torch.testing.assert_close(attention_rollout(maps), mixed[2] @ mixed[1] @ mixed[0])
+    rollout = attention_rollout(model_maps(small_model(), images_for(SMALL)))
+    N = SMALL.num_patches + 1
+    assert rollout.shape == (2, N, N)
+    torch.testing.assert_close(rollout.sum(-1), torch.ones(2, N, dtype=torch.float64))
+    with pytest.raises(ValueError, match="at least one"):
+        attention_rollout([])
+
+
+# ---------------------------------------------------------------- the token-mixing probe
+
+
+class ArticleViTAttention(nn.Module):
+    """The source article's ViT attention, reproduced with its bug (do not use).
+
+    ``qkv.reshape(B, N, 3, H, D)`` then ``unbind(2)`` leaves q, k, v as ``(B, N, H, D)``;
+    ``q @ k.transpose(-2, -1)`` is then ``(B, N, H, H)``: every token attends across its
+    own heads, never to other tokens. The final transpose/reshape scrambles the rest.
+    """
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.last_weights: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads)  # (B, N, 3, H, D)
+        q, k, v = qkv.unbind(2)  # (B, N, H, D) each -- heads NOT moved in front of tokens
+        attn = (q @ k.transpose(-2, -1)) * self.scale  # (B, N, H, H): heads attend to heads
+        attn = attn.softmax(dim=-1)
+        self.last_weights = attn
+        x = (attn @ v).transpose(1, 2).reshape(B, N, C)  # (B, N, H, D) -> (B, H, N, D) -> scrambled
+        return self.proj(x)
+
+
+def every_token_reaches_every_other(influence: torch.Tensor) -> bool:
+    off_diagonal = ~torch.eye(influence.shape[0], dtype=torch.bool)
+    return bool((influence[off_diagonal] > 1e-9).all())
+
+
+def test_probe_passes_for_the_package_attention_and_the_vit():
+    torch.manual_seed(0)
+    tokens = torch.randn(2, 9, 16, dtype=torch.float64)
+    attention = MultiHeadAttention(16, 4, dtype=torch.float64)
+    assert every_token_reaches_every_other(token_influence(attention, tokens))
+    model = small_model()
+    patches = model.patch_embedding(images_for(SMALL))  # (B, N, E)
+    # Through a whole block: perturbing patch j moves the output at every token i != j.
+    assert every_token_reaches_every_other(token_influence(model.blocks[0], patches))
+    # And on the images: changing one patch's pixels moves every token of the encoder output.
+    images = images_for(SMALL)
+    base = model.encode(images)
+    for j, (r, c) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        moved = images.clone()
+        moved[:, :, 4 * r : 4 * r + 4, 4 * c : 4 * c + 4] += 1.0
+        change = (model.encode(moved) - base).abs().amax(dim=(0, 2))  # (N+1,)
+        assert (change > 1e-9).all(), f"perturbing patch {j} left some tokens unchanged"
+
+
+def test_probe_fails_for_the_article_attention():
+    torch.manual_seed(0)
+    tokens = torch.randn(2, 9, 16, dtype=torch.float64)
+    buggy = ArticleViTAttention(16, 4).double()
+    influence = token_influence(buggy, tokens)
+    assert not every_token_reaches_every_other(influence)
+    # Its "attention map" is (B, N, H, H), not (B, H, N, N): it never compares two tokens.
+    assert buggy.last_weights.shape == (2, 9, 4, 4)
+    # Each output token depends on only H of the N input tokens (a side effect of the reshape).
+    assert int((influence > 1e-9).sum(dim=1).max()) <= 4 < 9
