@@ -150,20 +150,20 @@ def token_influence(
     fn: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     *,
+    scale: float = 1.0,
     vocab_size: int | None = None,
-    atol: float = 1e-6,
-    seed: int = 0,
 ) -> torch.Tensor:
-    """Which outputs change when one input position changes: a bool ``(L_out, L_in)`` matrix.
+    """How much each output position moves when one input position changes: ``(L_out, L_in)``.
 
-    For each input position ``j``, ``x[:, j]`` is perturbed (float inputs ``(B, L, ...)`` get
-    seeded random noise; integer token ids ``(B, L)`` become ``(id + 1) % vocab_size``) and
-    ``fn`` is run again; entry ``[i, j]`` is True when output position ``i`` (``fn`` returns
-    ``(B, L_out, ...)``) moved by more than ``atol`` in any example.
+    For each input position ``j``, ``x[:, j]`` is changed in every example -- float inputs
+    ``(B, L, ...)`` get ``scale`` times one fixed (seeded) random vector added, integer token
+    ids ``(B, L)`` become ``(id + 1) % vocab_size`` -- and ``fn`` runs again. Entry ``[i, j]``
+    is the largest absolute change of output position ``i`` (``fn`` returns
+    ``(B, L_out, ...)``) over examples and features.
 
-    Read it as "row i reads from columns j": a causal layer gives a lower-triangular matrix,
-    a layer that mixes tokens gives a full one, and one that mixes nothing across tokens gives
-    the diagonal.
+    Read ``token_influence(fn, x) > 1e-6`` as "row i reads from columns j": a causal layer
+    gives a lower-triangular matrix, a layer that mixes tokens a full one, and one that mixes
+    nothing across tokens (e.g. heads merged without the transpose) the diagonal.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         got = shape_str(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -175,16 +175,18 @@ def token_influence(
     if not isinstance(base, torch.Tensor) or base.dim() < 2 or base.shape[0] != x.shape[0]:
         got = shape_str(base.shape) if isinstance(base, torch.Tensor) else type(base).__name__
         raise ValueError(f"fn must return a tensor (B, L_out, ...) with B = {x.shape[0]}, got {got}")
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(0)
+    direction = None
+    if floating:
+        direction = torch.randn(x.shape[2:], generator=generator, dtype=x.dtype).to(x.device) * scale  # (...)
     columns = []
     for j in range(x.shape[1]):
         changed = x.clone()
         if floating:
-            noise = torch.randn(changed[:, j].shape, generator=generator, dtype=x.dtype).to(x.device)
-            changed[:, j] += noise
+            changed[:, j] += direction
         else:
             changed[:, j] = (changed[:, j] + 1) % vocab_size
         moved = (fn(changed) - base).abs()  # (B, L_out, ...)
         moved = moved.reshape(moved.shape[0], moved.shape[1], -1)  # (B, L_out, features)
-        columns.append((moved > atol).any(dim=2).any(dim=0))  # (L_out,)
-    return torch.stack(columns, dim=1).cpu()  # (L_out, L_in)
+        columns.append(moved.amax(dim=(0, 2)))  # (L_out,)
+    return torch.stack(columns, dim=1)  # (L_out, L_in)
