@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..core import Task
-from . import lesson01, lesson02, lesson03
+from . import lesson01, lesson02, lesson03, lesson08, lesson11
 
 __all__ = ["TASKS", "tasks_for_lesson"]
 
@@ -18,6 +18,12 @@ TASKS: dict[str, Task] = {
         lesson03.CAUSAL_MASK,
         lesson03.PADDING_MASK,
         lesson03.MASKED_ATTENTION,
+        lesson08.ATTENTION_ENTROPY,
+        lesson08.QK_NORM_ATTENTION,
+        lesson08.FIRST_NONFINITE_MODULE,
+        lesson11.REPEAT_KV,
+        lesson11.DECODE_ATTENTION,
+        lesson11.ROTARY,
     )
 }
 

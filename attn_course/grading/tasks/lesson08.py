@@ -1,0 +1,607 @@
+"""Graded tasks for lesson 08 (training & debugging): attention entropy, QK-norm, the first bad module."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...attention import scaled_dot_product_attention, stable_softmax
+from ...diagnostics import attention_entropy, find_nonfinite
+from ...masks import causal_mask
+from ..core import Case, Fail, Task
+from ..judging import NOT_IMPLEMENTED, Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
+from ._common import answered, first_match, returned, softmax_over_queries
+
+__all__ = ["ATTENTION_ENTROPY", "QK_NORM_ATTENTION", "FIRST_NONFINITE_MODULE"]
+
+
+# --- 08.attention_entropy ------------------------------------------------------------------
+# The learner writes attention_entropy(weights) -> (..., L): the entropy of every row of
+# attention weights (..., L, S), in nats, with 0 * log 0 taken as 0 (no NaN).
+
+
+def _entropy_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(808)
+    dense = torch.softmax(2 * torch.randn(2, 3, 4, 6, generator=gen, dtype=torch.float64), dim=-1)  # (B, H, L, S)
+    scores = 2 * torch.randn(1, 2, 5, 5, generator=gen, dtype=torch.float64)  # (B, H, L, S)
+    causal = stable_softmax(scores.masked_fill(~causal_mask(5), float("-inf")))  # (B, H, L, S), zeros above the diagonal
+    edge = torch.tensor(
+        [
+            [1.0, 0.0, 0.0, 0.0],  # all weight on one key: entropy 0
+            [0.0, 0.0, 0.0, 0.0],  # a fully masked row: all weights 0, entropy 0
+            [0.25, 0.25, 0.25, 0.25],  # uniform over 4 keys: log 4
+            [0.5, 0.0, 0.5, 0.0],  # uniform over 2 keys, 2 masked: log 2
+        ],
+        dtype=torch.float64,
+    )  # (L, S)
+    single = torch.softmax(torch.randn(3, 2, 5, generator=gen), dim=-1)  # (B, L, S), float32
+    return [
+        Case("dense weights (2, 3, 4, 6), float64", (dense,)),
+        Case("causal weights (1, 2, 5, 5) with zeros above the diagonal, float64", (causal,)),
+        Case("edge rows (4, 4): one-hot, all zeros (fully masked), uniform, half masked, float64", (edge,)),
+        Case("float32 weights (3, 2, 5)", (single,)),
+    ]
+
+
+_DENSE, _CAUSAL, _EDGE, _FLOAT32 = range(4)
+
+
+def _entropy_shape_hint(got: torch.Tensor, weights: torch.Tensor) -> str:
+    if got.dim() == 0:
+        return (
+            "You returned one number. Return one entropy per row (per query), shape (..., L): an average over "
+            "every head and query (like the source article's check) hides one collapsed head among healthy ones."
+        )
+    if tuple(got.shape) == tuple(weights.shape):
+        return "You returned one value per weight: sum -w * log(w) over the keys (dim=-1) to get one value per row."
+    if tuple(got.shape) == tuple(weights.shape[:-2]) + (weights.shape[-1],):
+        return "You summed over the queries (dim=-2). Each row (one query) is a distribution over the keys: sum over dim=-1."
+    return "Rows are queries: weights (..., L, S) give entropies (..., L)."
+
+
+def _diagnose_entropy(got: torch.Tensor, weights: torch.Tensor) -> str | None:
+    expected = attention_entropy(weights)  # (..., L)
+    S = weights.shape[-1]
+    return first_match(
+        got,
+        [
+            (lambda: expected / math.log(2),
+             "your entropies are in bits (log base 2). Use the natural log, torch.log, for nats."),
+            (lambda: -expected,
+             "your entropies are negative: entropy is -sum w log w (log w <= 0, so the minus sign makes it >= 0)."),
+            (lambda: expected / S,
+             "you averaged over the keys (.mean(dim=-1)): entropy is a sum over the keys, not a mean."),
+            (lambda: expected / math.log(S),
+             "you divided by log(S): that is the normalised entropy (0..1). This task asks for plain nats."),
+        ],
+        atol=1e-9,
+        rtol=1e-7,
+    )
+
+
+def _judge_entropy(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("one entropy per row: shape (..., L), the input's dtype"):
+        for case, _, got in answered(cases, outcomes):
+            (weights,) = case.args
+            expect_shape(got, weights.shape[:-1], what=case.name, hint=_entropy_shape_hint(got, weights))
+            expect_dtype(got, weights.dtype, what=case.name)
+    with checklist.check("rows without zero weights: -sum w log w, in nats"):
+        for index in (_DENSE, _FLOAT32):
+            case, outcome = cases[index], outcomes[index]
+            (weights,) = case.args
+            got = returned(outcome, what=case.name)
+            expect_shape(got, weights.shape[:-1], what=case.name, hint=_entropy_shape_hint(got, weights))
+            tolerance = {"atol": 1e-8, "rtol": 1e-7} if weights.dtype == torch.float64 else {"atol": 1e-5, "rtol": 1e-4}
+            expect_close(got, attention_entropy(weights), what=case.name, hint=_diagnose_entropy(got, weights) or "", **tolerance)
+    with checklist.check("zero weights (masked keys, fully masked rows) add nothing, and no NaN"):
+        for index in (_CAUSAL, _EDGE):
+            case, outcome = cases[index], outcomes[index]
+            (weights,) = case.args
+            got = returned(outcome, what=case.name)
+            expect_shape(got, weights.shape[:-1], what=case.name, hint=_entropy_shape_hint(got, weights))
+            if torch.isnan(got).any():
+                raise Fail(
+                    f"{case.name}: your result has NaN where a row holds zero weights. 0 * log(0) is 0 * -inf = NaN "
+                    "in floating point, but its limit is 0: take the log of 1 where w == 0 "
+                    "(torch.where(w > 0, w, 1)), or use torch.special.xlogy(w, w)."
+                )
+            expect_close(got, attention_entropy(weights), what=case.name, atol=1e-8, rtol=1e-7,
+                         hint=_diagnose_entropy(got, weights) or "")
+    with checklist.check("leaves the weights unchanged"):
+        for case, outcome, _ in answered(cases, outcomes):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _entropy_reference(weights):
+    return attention_entropy(weights)
+
+
+def _entropy_bits(weights):
+    safe = torch.where(weights > 0, weights, torch.ones_like(weights))
+    return -(weights * torch.log2(safe)).sum(dim=-1)
+
+
+def _entropy_nan_on_zeros(weights):
+    return -(weights * torch.log(weights)).sum(dim=-1)
+
+
+def _entropy_no_minus(weights):
+    return torch.special.xlogy(weights, weights).sum(dim=-1)
+
+
+def _entropy_mean_over_keys(weights):
+    return -torch.special.xlogy(weights, weights).mean(dim=-1)
+
+
+def _entropy_over_queries(weights):
+    return -torch.special.xlogy(weights, weights).sum(dim=-2)
+
+
+def _entropy_article_scalar(weights):
+    return -(weights * torch.log(weights + 1e-9)).sum(-1).mean()
+
+
+def _entropy_clamps_in_place(weights):
+    weights.clamp_(min=1e-12)
+    return -(weights * torch.log(weights)).sum(dim=-1)
+
+
+def _entropy_normalized(weights):
+    return attention_entropy(weights) / math.log(weights.shape[-1])
+
+
+ATTENTION_ENTROPY = Task(
+    id="08.attention_entropy",
+    title="Attention entropy per row",
+    function_name="attention_entropy",
+    make_cases=_entropy_cases,
+    judge=_judge_entropy,
+    reference=_entropy_reference,
+    wrong={
+        "log base 2 (bits)": (_entropy_bits, "bits"),
+        "0 * log 0 gives NaN": (_entropy_nan_on_zeros, "0 * log(0)"),
+        "missing minus sign": (_entropy_no_minus, "negative"),
+        "mean over the keys instead of sum": (_entropy_mean_over_keys, "averaged over the keys"),
+        "sums over the queries (dim=-2)": (_entropy_over_queries, "summed over the queries"),
+        "one number for everything (the article's check)": (_entropy_article_scalar, "one entropy per row"),
+        "clamps the weights in place": (_entropy_clamps_in_place, "in place"),
+        "normalised by log(S)": (_entropy_normalized, "normalised entropy"),
+    },
+)
+
+
+# --- 08.qk_norm_attention ------------------------------------------------------------------
+# The learner writes qk_norm_attention(q, k, v, temperature): attention on unit-length
+# queries and keys (Henry et al., 2020), scores = temperature * cos(q_i, k_j), no 1/sqrt(D).
+
+
+def _qk_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(818)
+
+    def randn(*shape, std=1.0, dtype=torch.float64):
+        return std * torch.randn(*shape, generator=gen, dtype=dtype)
+
+    zero_query = randn(1, 2, 4, 8, std=5.0)  # (B, H, L, D)
+    zero_query[0, 1, 2] = 0.0  # one query vector is exactly zero
+    return [
+        Case("huge q and k (std 30): q (2, 2, 5, 8), k, v (2, 2, 6, 8), temperature 4.0, float64",
+             (randn(2, 2, 5, 8, std=30.0), randn(2, 2, 6, 8, std=30.0), randn(2, 2, 6, 8), 4.0)),
+        Case("q (3, 4, 16), k (3, 7, 16), v (3, 7, 5), temperature 10.0, float64",
+             (randn(3, 4, 16), randn(3, 7, 16, std=0.1), randn(3, 7, 5), 10.0)),
+        Case("one query vector is all zeros: q (1, 2, 4, 8), k, v (1, 2, 4, 8), temperature 2.0, float64",
+             (zero_query, randn(1, 2, 4, 8), randn(1, 2, 4, 8), 2.0)),
+        Case("float32: q (2, 3, 8), k, v (2, 3, 8), temperature 5.0",
+             (randn(2, 3, 8, dtype=torch.float32), randn(2, 3, 8, std=20.0, dtype=torch.float32),
+              randn(2, 3, 8, dtype=torch.float32), 5.0)),
+    ]
+
+
+_QK_HUGE, _QK_RECT, _QK_ZERO, _QK_FLOAT32 = range(4)
+
+
+def _unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return F.normalize(x, dim=dim)
+
+
+def _qk_reference(q, k, v, temperature):
+    return scaled_dot_product_attention(_unit(q), _unit(k), v, scale=temperature)
+
+
+def _diagnose_qk(got, q, k, v, temperature) -> str | None:
+    D = q.shape[-1]
+    return first_match(
+        got,
+        [
+            (lambda: scaled_dot_product_attention(_unit(q), _unit(k), v, scale=temperature / math.sqrt(D)),
+             "you scaled by 1/sqrt(D) as well. With unit vectors the scores are cosines in [-1, 1]; the temperature "
+             "alone sets how sharp the softmax can get, so drop the 1/sqrt(D)."),
+            (lambda: scaled_dot_product_attention(_unit(q), _unit(k), v, scale=1.0 / temperature),
+             "you divided by the temperature. Here it multiplies the cosines: scores = temperature * cos(q_i, k_j)."),
+            (lambda: scaled_dot_product_attention(_unit(q, -2), _unit(k, -2), v, scale=temperature),
+             "you normalised over the sequence axis (dim=-2). Normalise each query and key vector over its features "
+             "(dim=-1)."),
+            (lambda: scaled_dot_product_attention(_unit(q), k, v, scale=temperature),
+             "you normalised q but not k: both must have unit length, or large keys still saturate the softmax."),
+            (lambda: scaled_dot_product_attention(q, _unit(k), v, scale=temperature),
+             "you normalised k but not q: both must have unit length, or large queries still saturate the softmax."),
+            (lambda: scaled_dot_product_attention(q, k, v, scale=temperature),
+             "your q and k are not normalised at all: divide each vector by its length (F.normalize(x, dim=-1))."),
+            (lambda: softmax_over_queries(_unit(q), _unit(k), v, scale=temperature),
+             "your softmax runs over the queries (dim=-2). Each query's weights over the keys must sum to 1 (dim=-1)."),
+        ],
+        atol=1e-9,
+        rtol=1e-7,
+    )
+
+
+def _judge_qk(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
+        for case, _, got in answered(cases, outcomes):
+            q, k, v, _ = case.args
+            expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
+            expect_dtype(got, q.dtype, what=case.name)
+    with checklist.check("scores are temperature * cosine similarity (huge inputs cannot saturate)"):
+        for index in (_QK_HUGE, _QK_RECT):
+            case, outcome = cases[index], outcomes[index]
+            got = returned(outcome, what=case.name)
+            expected = _qk_reference(*case.args)
+            expect_shape(got, expected.shape, what=case.name)
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_qk(got, *case.args) or "")
+    with checklist.check("a zero query vector gives a finite (uniform) row, not NaN"):
+        case, outcome = cases[_QK_ZERO], outcomes[_QK_ZERO]
+        got = returned(outcome, what=case.name)
+        expected = _qk_reference(*case.args)
+        expect_shape(got, expected.shape, what=case.name)
+        if torch.isnan(got).any():
+            raise Fail(
+                f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: divide by "
+                "x.norm(dim=-1, keepdim=True).clamp_min(1e-12), or use F.normalize(x, dim=-1), which does that."
+            )
+        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_qk(got, *case.args) or "")
+    with checklist.check("works in float32"):
+        case, outcome = cases[_QK_FLOAT32], outcomes[_QK_FLOAT32]
+        got = returned(outcome, what=case.name)
+        expected = _qk_reference(*(x.double() if isinstance(x, torch.Tensor) else x for x in case.args))
+        expect_shape(got, expected.shape, what=case.name)
+        expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-4)
+    with checklist.check("leaves q, k and v unchanged"):
+        for case, outcome, _ in answered(cases, outcomes):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _qk_extra_sqrt_d(q, k, v, temperature):
+    q, k = _unit(q), _unit(k)
+    return torch.softmax(temperature * (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def _qk_divides(q, k, v, temperature):
+    q, k = _unit(q), _unit(k)
+    return torch.softmax((q @ k.transpose(-2, -1)) / temperature, dim=-1) @ v
+
+
+def _qk_wrong_axis(q, k, v, temperature):
+    q, k = F.normalize(q, dim=-2), F.normalize(k, dim=-2)
+    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+def _qk_only_q(q, k, v, temperature):
+    q = _unit(q)
+    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+def _qk_nan_for_zero(q, k, v, temperature):
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = k / k.norm(dim=-1, keepdim=True)
+    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+def _qk_not_normalised(q, k, v, temperature):
+    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+def _qk_normalises_in_place(q, k, v, temperature):
+    q /= q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    k /= k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+QK_NORM_ATTENTION = Task(
+    id="08.qk_norm_attention",
+    title="QK-norm attention (a cure for entropy collapse)",
+    function_name="qk_norm_attention",
+    make_cases=_qk_cases,
+    judge=_judge_qk,
+    reference=_qk_reference,
+    wrong={
+        "scales by 1/sqrt(D) as well": (_qk_extra_sqrt_d, "1/sqrt(D) as well"),
+        "divides by the temperature": (_qk_divides, "divided by the temperature"),
+        "normalises over the sequence axis": (_qk_wrong_axis, "sequence axis"),
+        "normalises q only": (_qk_only_q, "but not k"),
+        "NaN for a zero vector": (_qk_nan_for_zero, "0 / 0 = NaN"),
+        "no normalisation": (_qk_not_normalised, "not normalised at all"),
+        "normalises q and k in place": (_qk_normalises_in_place, "in place"),
+    },
+)
+
+
+# --- 08.first_nonfinite_module -------------------------------------------------------------
+# The learner writes first_nonfinite_module(model, x): run model(x) once and return the
+# qualified name (as in model.named_modules()) of the first module, in execution order,
+# whose output holds a NaN or an inf; None if every output is finite.
+
+
+class _Log(nn.Module):
+    """``log(x)``: NaN for negative inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class _Exp(nn.Module):
+    """``exp(x)``: inf once x exceeds about 88 (float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+
+class _Block(nn.Module):
+    """A pre-norm residual MLP block, ``x + mlp(norm(x))``."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(features)
+        self.mlp = nn.Sequential(nn.Linear(features, 2 * features), nn.GELU(), nn.Linear(2 * features, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class _Net(nn.Module):
+    """Embedding layer, a few blocks, a read-out: containers nested three deep."""
+
+    def __init__(self, features: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, features)
+        self.blocks = nn.ModuleList(_Block(features) for _ in range(depth))
+        self.head = nn.Linear(features, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _DefinedOutOfOrder(nn.Module):
+    """``late`` is defined first but runs second: named_modules() order is not execution order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = nn.Linear(4, 3)
+        self.early = _Log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(self.early(x))
+
+
+def _nonfinite_cases() -> list[Case]:
+    with torch.random.fork_rng():  # seeded module initialisation, without touching the caller's RNG
+        torch.manual_seed(0)
+        return _build_nonfinite_cases()
+
+
+def _build_nonfinite_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(888)
+    x = torch.randn(5, 4, generator=gen)  # (N, 4)
+    sequential = nn.Sequential(nn.Linear(4, 8), _Log(), nn.Linear(8, 2))
+    nested = _Net()
+    with torch.no_grad():  # one layer deep inside block 1 overflows float32 to inf
+        signs = torch.randint(0, 2, nested.blocks[1].mlp[0].weight.shape, generator=gen) * 2.0 - 1.0
+        nested.blocks[1].mlp[0].weight.copy_(signs * 1e38)
+    overflow = nn.Sequential(nn.Linear(4, 4), _Exp(), nn.Softmax(dim=-1))
+    with torch.no_grad():
+        overflow[0].weight.mul_(100.0)
+    healthy = _Net()
+    positive = x.abs() + 0.5  # log of these is finite; a negative one makes `early` produce NaN
+    positive[2, 1] = -1.0
+    return [
+        Case("nn.Sequential(Linear, Log, Linear) on inputs (5, 4)", (sequential, x)),
+        Case("a nested model (embed, blocks.0-2, head) whose blocks.1 overflows to inf", (nested, x)),
+        Case("nn.Sequential(Linear, Exp, Softmax): exp overflows to inf, softmax then gives NaN", (overflow, x)),
+        Case("a model whose submodules run in a different order than they are defined", (_DefinedOutOfOrder(), positive)),
+        Case("a healthy model (every output finite)", (_Net(), x)),
+    ]
+
+
+_SEQUENTIAL, _NESTED, _OVERFLOW, _ORDER, _HEALTHY = range(5)
+
+
+def _first_nonfinite_reference(model, x):
+    with find_nonfinite(model) as tracker:
+        model(x)
+    event = tracker.first
+    return None if event is None else event.name
+
+
+def _bad_modules(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]:
+    """What the classic mistakes would name, worked out by the judge on its own copy of the case."""
+    found: dict[str, list[str]] = {"output": [], "nan_output": [], "input": []}
+    handles = []
+
+    def make(name):
+        def pre_hook(module, args):
+            if any(isinstance(a, torch.Tensor) and not torch.isfinite(a).all() for a in args):
+                found["input"].append(name)
+
+        def hook(module, args, output):
+            if not torch.isfinite(output).all():
+                found["output"].append(name)
+            if torch.isnan(output).any():
+                found["nan_output"].append(name)
+
+        return pre_hook, hook
+
+    for name, module in model.named_modules():
+        pre_hook, hook = make(name)
+        handles.append(module.register_forward_pre_hook(pre_hook))
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def _diagnose_nonfinite(got: object, case: Case, expected: str | None) -> str:
+    model, x = case.args
+    names = [name for name, _ in model.named_modules()]
+    found = _bad_modules(model, x)
+    if got is None:
+        return (
+            f"you found nothing, but module {expected!r} outputs NaN/inf. Check every module's OUTPUT with a forward "
+            "hook (module.register_forward_hook) -- the parameters here are all finite, it is the activations that "
+            "go bad -- and test with torch.isfinite, which catches NaN and inf."
+        )
+    if expected is None:
+        return f"every output of this model is finite, yet you named {got!r}. Return None when nothing is non-finite."
+    if got not in names and got != "(model)":
+        return f"{got!r} is not a module name: return a name from model.named_modules(), e.g. {expected!r}."
+    if got in ("", "(model)") or expected.startswith(got + "."):
+        who = "the model itself" if got in ("", "(model)") else repr(got)
+        return (
+            f"you named {who}, a container around the culprit {expected!r}. Forward hooks run "
+            "when a module FINISHES, innermost first, so a container reports after its children: the first module "
+            "to report is the one that produced the bad value."
+        )
+    if found["nan_output"] and got == found["nan_output"][0] and got != expected:
+        return (
+            f"you named {got!r}, the first module with a NaN, but {expected!r} ran earlier and produced an inf. "
+            "inf is just as broken (the NaN came from it): test with torch.isfinite(t).all(), not torch.isnan."
+        )
+    defined_first = next((name for name in names if name in found["output"] and name != ""), None)
+    if got == defined_first:
+        return (
+            f"you named {got!r}, the first bad module in definition order (model.named_modules()), but {expected!r} "
+            "RAN first. Record modules as their hooks fire, which follows execution order."
+        )
+    if found["input"] and got == found["input"][0]:
+        return (
+            f"you named {got!r}, whose INPUT was already bad: the culprit is the module before it, {expected!r}. "
+            "Check outputs (forward hooks), not inputs."
+        )
+    return f"you named {got!r}; the first module whose output holds NaN/inf is {expected!r}."
+
+
+def _judge_nonfinite(cases, outcomes):
+    checklist = Checklist()
+    expected = [_first_nonfinite_reference(*case.args) for case in cases]
+
+    def answer(index: int) -> object:
+        outcome = outcomes[index]
+        if outcome.not_implemented:
+            raise Fail(NOT_IMPLEMENTED)
+        if outcome.error is not None:
+            raise Fail(f"{cases[index].name}: your function raised {outcome.error}")
+        return outcome.returned
+
+    with checklist.check("returns a module name (str) or None"):
+        for index, case in enumerate(cases):
+            got = answer(index)
+            if got is not None and not isinstance(got, str):
+                raise Fail(f"{case.name}: you returned a {type(got).__name__}; return the module's name (a str) or None.")
+    for title, index in (
+        ("names the culprit in a plain nn.Sequential", _SEQUENTIAL),
+        ("nested model: the innermost module that made the inf, not a container", _NESTED),
+        ("an inf counts, not only a NaN", _OVERFLOW),
+        ("execution order, not definition order", _ORDER),
+        ("a healthy model gives None", _HEALTHY),
+    ):
+        with checklist.check(title):
+            got = answer(index)
+            if got != expected[index]:
+                raise Fail(f"{cases[index].name}: {_diagnose_nonfinite(got, cases[index], expected[index])}")
+    return checklist.results
+
+
+def _record_with_hooks(model, x, *, test, use_pre_hook=False):
+    """Helper for the catalogue: names, in hook order, of modules whose output (or input) fails ``test``."""
+    bad, handles = [], []
+    for name, module in model.named_modules():
+        if use_pre_hook:
+            def pre_hook(module, args, name=name):
+                if any(isinstance(a, torch.Tensor) and test(a) for a in args):
+                    bad.append(name)
+
+            handles.append(module.register_forward_pre_hook(pre_hook))
+        else:
+            def hook(module, args, output, name=name):
+                if test(output):
+                    bad.append(name)
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return bad
+
+
+def _nonfinite(t: torch.Tensor) -> bool:
+    return not bool(torch.isfinite(t).all())
+
+
+def _nonfinite_last_reported(model, x):
+    bad = _record_with_hooks(model, x, test=_nonfinite)
+    return bad[-1] if bad else None
+
+
+def _nonfinite_isnan_only(model, x):
+    bad = _record_with_hooks(model, x, test=lambda t: bool(torch.isnan(t).any()))
+    return bad[0] if bad else None
+
+
+def _nonfinite_first_bad_input(model, x):
+    bad = _record_with_hooks(model, x, test=_nonfinite, use_pre_hook=True)
+    bad = [name for name in bad if name != ""]
+    return bad[0] if bad else None
+
+
+def _nonfinite_definition_order(model, x):
+    bad = set(_record_with_hooks(model, x, test=_nonfinite))
+    return next((name for name, _ in model.named_modules() if name in bad and name != ""), None)
+
+
+def _nonfinite_checks_parameters(model, x):
+    model(x)
+    for name, module in model.named_modules():
+        if any(not torch.isfinite(p).all() for p in module.parameters(recurse=False)):
+            return name
+    return None
+
+
+FIRST_NONFINITE_MODULE = Task(
+    id="08.first_nonfinite_module",
+    title="Find the first module that outputs NaN/inf",
+    function_name="first_nonfinite_module",
+    make_cases=_nonfinite_cases,
+    judge=_judge_nonfinite,
+    reference=_first_nonfinite_reference,
+    wrong={
+        "returns the last module to report (a container)": (_nonfinite_last_reported, "container"),
+        "tests isnan only": (_nonfinite_isnan_only, "torch.isfinite"),
+        "reports the first bad input": (_nonfinite_first_bad_input, "INPUT was already bad"),
+        "definition order instead of execution order": (_nonfinite_definition_order, "definition order"),
+        "checks the parameters, not the outputs": (_nonfinite_checks_parameters, "found nothing"),
+    },
+)
+
