@@ -144,15 +144,22 @@ def test_runs_on_device(device):
         assert all(p["peak_bytes"] is not None for p in results["points"])
 
 
+def figures_ok(path) -> bool:
+    figures = json.loads(path.read_text())
+    return figures["mha"]["ratio"] > 0 and figures["attention"]["points"] != []
+
+
 def test_command_prints_table_targets_json_and_plot(tmp_path, capsys):
-    """`attn-course bench attention` (run in-process: a subprocess would pay torch's import again)."""
+    """`attn-course bench all` = mha + attention (in-process: a subprocess would pay torch's import again)."""
     from attn_course.cli import main
 
     out_json, out_png = tmp_path / "attention.json", tmp_path / "attention.png"
-    code = main(["bench", "attention", "--lengths", "64", "128", "--heads", "2", "--head-dim", "8", "--rounds", "1",
+    code = main(["bench", "all", "--lengths", "64", "128", "--heads", "2", "--head-dim", "8", "--rounds", "1",
+                 "--batch", "2", "--length", "16", "--d-model", "16",
                  "--no-memory", "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert code == 0
+    assert "ratio ours/torch" in printed and figures_ok(out_json)
     assert "GFLOP/s" in printed and "targets (ratios measured in this run)" in printed
     assert "linear time t(16384) / t(1024)" in printed and "block-local" in printed
     figures = json.loads(out_json.read_text())
