@@ -38,9 +38,23 @@ def free_port() -> int:
 
 
 def private_jupyter_env(tmp: Path) -> dict[str, str]:
-    """Environment that keeps Jupyter, IPython and matplotlib config out of the home directory."""
+    """Environment that keeps Jupyter, IPython and matplotlib config out of the home directory.
+
+    JupyterLab's user settings turn autosave off (a browser test runs lessons and must never
+    write their outputs back into the repository) and skip the news pop-up.
+    """
+    settings = tmp / "lab-settings"
+    for plugin, values in (
+        ("@jupyterlab/docmanager-extension/plugin", {"autosave": False}),
+        ("@jupyterlab/apputils-extension/notification", {"fetchNews": "false"}),
+    ):
+        path = settings / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
     env = dict(os.environ)
     env.update(
+        JUPYTERLAB_SETTINGS_DIR=str(settings),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "lab-workspaces"),
         JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
         JUPYTER_CONFIG_DIR=str(tmp / "config"),
         JUPYTER_DATA_DIR=str(tmp / "data"),

@@ -79,20 +79,43 @@ def _wait_idle(page, timeout_s: float) -> None:
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_s * 1000)
 
 
+def _dismiss_dialogs(page) -> None:
+    """Accept the kernel picker if JupyterLab shows one; decline the news pop-up."""
+    select = page.locator(".jp-Dialog button.jp-mod-accept")
+    if select.count():
+        select.first.click()
+    no_news = page.locator(".jp-toast-button:has-text('No')")
+    if no_news.count():
+        no_news.first.click()
+
+
+def _running_prompts(page) -> int:
+    return sum(p.strip() == "[*]:" for p in page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts())
+
+
 def _run_all(page, timeout_s: float) -> None:
     page.click("text=Run", timeout=30_000)
     page.click("li.lm-Menu-item[data-command='runmenu:run-all']", timeout=10_000)
-    time.sleep(1.0)
+    # Run All marks every queued cell '[*]' at once; the run is over when none is left.
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].some(e => e.innerText.trim() === '[*]:')",
+        timeout=30_000,
+    )
     deadline = time.time() + timeout_s
-    # Every code cell gets an execution count when it has run; '[*]' means still running.
-    while time.time() < deadline:
-        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
-        if prompts and all(p.strip() not in ("[*]:", "[ ]:", "") for p in prompts):
-            break
+    while _running_prompts(page) and time.time() < deadline:
         time.sleep(1.0)
-    else:
-        raise AssertionError(f"Run All did not finish within {timeout_s:g} s")
+    assert not _running_prompts(page), f"Run All did not finish within {timeout_s:g} s"
     _wait_idle(page, 30)
+
+
+def _wait_until_stable(widget, quiet_s: float = 1.5, timeout_s: float = 30) -> None:
+    """Wait until the figure stops changing (each key press queues a redraw)."""
+    deadline, last, since = time.time() + timeout_s, _widget_image(widget), time.time()
+    while time.time() < deadline and time.time() - since < quiet_s:
+        time.sleep(0.3)
+        current = _widget_image(widget)
+        if current != last:
+            last, since = current, time.time()
 
 
 def _widget_image(widget) -> str:
@@ -104,11 +127,15 @@ def _widget_image(widget) -> str:
 def test_lesson_widgets_render_and_react(lesson, browser, lab):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     stem = Path(lesson).stem
+    stored = (ROOT / "notebooks" / lesson).read_bytes()
     page = browser.new_page()
     js_errors: list[str] = []
     page.on("pageerror", lambda error: js_errors.append(str(error)))
     try:
         page.goto(lab.url(f"lab/tree/notebooks/{lesson}"), timeout=60_000)
+        page.wait_for_selector(".jp-Notebook", timeout=60_000)
+        time.sleep(2.0)
+        _dismiss_dialogs(page)
         _wait_idle(page, 60)
         _run_all(page, timeout_s=240)
         page.screenshot(path=str(ARTIFACTS / f"{stem}-after-run-all.png"), full_page=False)
@@ -140,9 +167,11 @@ def test_lesson_widgets_render_and_react(lesson, browser, lab):
             while _widget_image(widget) == before and time.time() < deadline:
                 time.sleep(0.3)
             assert _widget_image(widget) != before, f"{lesson}: widget {index} did not redraw after its control changed"
+            _wait_until_stable(widget)
             widget.screenshot(path=str(ARTIFACTS / f"{stem}-widget{index}-after.png"))
             reacted += 1
         assert reacted > 0, f"{lesson}: no widget had a slider or dropdown to move"
         assert not js_errors, f"{lesson}: JavaScript errors in the page: {js_errors}"
     finally:
         page.close()
+    assert (ROOT / "notebooks" / lesson).read_bytes() == stored, "the browser run must not save into the repository"
