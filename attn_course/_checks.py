@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_tensor", "check_qkv", "check_mask", "shape_str"]
+__all__ = ["check_positive_int", "check_tensor", "check_qkv", "check_mask", "shape_str"]
 
 
 def shape_str(shape: torch.Size | tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(n)) for n in shape) + ")"
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1 (a length, a size, a count); TypeError/ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
 
 
 def check_tensor(name: str, x: object, *, min_dim: int = 1, floating: bool = True) -> torch.Tensor:

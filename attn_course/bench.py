@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - Windows
 from .attention import scaled_dot_product_attention
 from .chunked import chunked_attention
 from .linear import linear_attention
-from .masks import _check_length
+from ._checks import check_positive_int
 from .multihead import MultiHeadAttention
 from .sparse import sparse_attention
 
@@ -196,14 +196,14 @@ class AttentionBenchConfig:
         if not self.lengths:
             raise ValueError("lengths is empty: give at least one sequence length")
         for n in self.lengths:
-            _check_length("each length", n)
+            check_positive_int("each length", n)
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"variants must be a non-empty subset of {VARIANTS}, got {self.variants}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         for name in ("batch", "heads", "head_dim", "block_size", "chunk_size", "max_quadratic_length", "rounds"):
-            _check_length(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -53,9 +53,8 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_mask, check_qkv
+from ._checks import check_mask, check_positive_int, check_qkv
 from .attention import scaled_dot_product_attention
-from .masks import _check_length
 
 __all__ = [
     "PartialAttention",
@@ -196,7 +195,7 @@ def _prepare(q, k, v, mask, *, scale, names):
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     for name, value in names.items():
-        _check_length(name, value)
+        check_positive_int(name, value)
     return L, S, batch_shape, mask, float(scale)
 
 

@@ -48,8 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_qkv, check_tensor, shape_str
-from .masks import _check_length
+from ._checks import check_mask, check_positive_int, check_qkv, check_tensor, shape_str
 
 __all__ = [
     "elu_feature_map",
@@ -87,8 +86,8 @@ class RandomFeatureMap(nn.Module):
 
     def __init__(self, head_dim: int, *, num_features: int | None = None, seed: int = 0):
         super().__init__()
-        self.head_dim = _check_length("head_dim", head_dim)
-        self.num_features = _check_length("num_features", 2 * head_dim if num_features is None else num_features)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.num_features = check_positive_int("num_features", 2 * head_dim if num_features is None else num_features)
         generator = torch.Generator().manual_seed(seed)
         blocks = []
         for _ in range(math.ceil(self.num_features / head_dim)):
@@ -203,7 +202,7 @@ def linear_attention(
     L, S, mask = _prepare(q, k, v, mask, is_causal=is_causal)
     feature_map = _resolve_feature_map(feature_map)
     eps = _check_eps(eps)
-    chunk_size = _check_length("chunk_size", chunk_size)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
     compute = _compute_dtype(q.dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         phi_q, phi_k = _features(feature_map, q.to(compute), k.to(compute))  # (..., L, M), (..., S, M)

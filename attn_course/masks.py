@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._checks import check_positive_int
+
 __all__ = [
     "causal_mask",
     "padding_mask",
@@ -27,14 +29,6 @@ __all__ = [
 ]
 
 
-def _check_length(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def causal_mask(L: int, S: int | None = None, *, device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean ``(L, S)`` mask where query ``i`` may attend to keys ``j <= i``.
 
@@ -43,8 +37,8 @@ def causal_mask(L: int, S: int | None = None, *, device: torch.device | str | No
     (With a KV cache, where the queries are the *last* L of S positions, you want a
     bottom-right aligned mask instead: ``causal_mask(S)[-L:]``.)
     """
-    L = _check_length("L", L)
-    S = L if S is None else _check_length("S", S)
+    L = check_positive_int("L", L)
+    S = L if S is None else check_positive_int("S", S)
     ones = torch.ones(L, S, dtype=torch.bool, device=device)  # (L, S)
     return torch.tril(ones)  # (L, S), True on and below the main diagonal
 
@@ -77,7 +71,7 @@ def padding_mask(
     longest = int(lengths.max())
     if max_len is None:
         max_len = max(longest, 1)
-    max_len = _check_length("max_len", max_len)
+    max_len = check_positive_int("max_len", max_len)
     if longest > max_len:
         raise ValueError(f"a length ({longest}) exceeds max_len ({max_len})")
     positions = torch.arange(max_len, device=lengths.device)  # (S,)

@@ -44,10 +44,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_qkv, shape_str
+from ._checks import check_mask, check_positive_int, check_qkv, shape_str
 from .attention import scaled_dot_product_attention
 from .chunked import PartialAttention, finish_partial, merge_partials, partial_attention
-from .masks import _check_length
 
 __all__ = ["PATTERNS", "pattern_mask", "sparse_attention", "SparseAttention"]
 
@@ -57,7 +56,7 @@ PATTERNS = ("block", "sliding", "strided")
 def _check_pattern(pattern: object, size: object, num_global: object) -> tuple[str, int, int]:
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
-    size = _check_length("size", size)
+    size = check_positive_int("size", size)
     if isinstance(num_global, bool) or not isinstance(num_global, int):
         raise TypeError(f"num_global must be an int, got {type(num_global).__name__} ({num_global!r})")
     if num_global < 0:
@@ -80,7 +79,7 @@ def pattern_mask(
     ``sparse_attention(q, k, v, ...)`` with the same options. Meant for pictures and tests:
     it is ``O(L^2)`` memory, which is what sparse attention avoids.
     """
-    length = _check_length("length", length)
+    length = check_positive_int("length", length)
     pattern, size, num_global = _check_pattern(pattern, size, num_global)
     query_pos = torch.arange(length, device=device)[:, None]  # (L, 1)
     key_pos = torch.arange(length, device=device)[None, :]  # (1, L)
