@@ -1,8 +1,8 @@
 """Synthetic token tasks, generated in code from a seed (nothing is downloaded).
 
 * ``lookback_task``: at every position, name the tokens a fixed number of steps back
-  (e.g. 1 and 3 steps). One attention head can fetch one of them; naming both needs two
-  heads with two different relations -- the demo of lesson 02 (multi-head attention).
+  (e.g. 1 and 3 steps): two different relations to fetch at once. A model with several heads
+  learns them in different heads -- the demo of lesson 02 (multi-head attention).
 * ``padded_batch``: a batch of random sequences of different lengths, padded, with its
   padding mask -- the demo input of lesson 03 (masking).
 * ``token_labels``: letters for token ids, for heatmap tick labels.
@@ -47,10 +47,11 @@ def lookback_task(
     classes). Steps that would go before the start read the first token instead
     (``x[max(t - k, 0)]``), so every position has a target.
 
-    Why it needs several heads: one head's output is a weighted *sum* of value vectors,
-    and a sum forgets the order of its terms -- a head spreading its weight over
-    ``t-1`` and ``t-3`` cannot tell ``(a, b)`` from ``(b, a)``. Two heads, each locked on one
-    offset, can.
+    Two relations at once: one head attends to a single weighted mix of positions, so the
+    natural solution gives each offset its own head (lesson 02 measures that a trained
+    multi-head model does). A single head is not strictly unable: with unequal weights on
+    ``t-1`` and ``t-3`` its average still determines the ordered pair, but it must be
+    untangled by the read-out.
 
     Returns:
         ``(inputs, targets)``, both ``(num_sequences, length)`` long tensors; targets lie in
