@@ -66,6 +66,7 @@ __all__ = [
     "attention_variant",
     "attention_flops",
     "largest_tensor_bytes",
+    "saved_tensor_bytes",
     "measure_peak_memory",
     "bench_attention",
     "attention_targets",
@@ -271,6 +272,34 @@ def largest_tensor_bytes(fn: Callable[..., object], *args: object, **kwargs: obj
     with mode:
         fn(*args, **kwargs)
     return mode.largest
+
+
+def saved_tensor_bytes(fn: Callable[..., object], *args: object, **kwargs: object) -> int:
+    """Bytes that autograd keeps for the backward pass of ``fn(*args, **kwargs)``.
+
+    Every tensor an operation saves for its backward pass goes through the pack hook of
+    ``torch.autograd.graph.saved_tensors_hooks``. Saved tensors often share memory (``k.mT``
+    is a view of ``k``; ``x * x`` saves ``x`` twice), so each *storage* is counted once, at
+    its full size. Saved inputs count too: the backward pass keeps them alive. Deterministic,
+    unlike a peak-memory reading, so lessons print it as checked output. Returns 0 when
+    nothing needs a gradient (or under ``torch.no_grad()``).
+
+    Taught in lesson 04 (forward vs backward memory); lesson 07 uses it for the recomputing
+    backward.
+    """
+    storages: dict[int, int] = {}
+    kept: list[torch.Tensor] = []  # hold every saved tensor, so no storage is freed and its address reused
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            kept.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn(*args, **kwargs)
+    return sum(storages.values())
 
 
 def _inputs(config: AttentionBenchConfig, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -166,3 +166,23 @@ def test_command_prints_table_targets_json_and_plot(tmp_path, capsys):
     assert figures["attention"]["config"]["lengths"] == [64, 128]
     assert {p["variant"] for p in figures["attention"]["points"]} == set(VARIANTS)
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_saved_tensor_bytes_counts_each_saved_storage_once():
+    from attn_course.bench import saved_tensor_bytes
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    assert saved_tensor_bytes(lambda t: t * t, x) == 4 * 8 * 8  # x saved twice, counted once
+    assert saved_tensor_bytes(lambda t: t.exp(), x) == 4 * 8 * 8  # exp saves its output
+    assert saved_tensor_bytes(lambda t: t.exp().sin(), x) == 4 * 8 * 8  # sin saves its input: exp's saved output
+    assert saved_tensor_bytes(lambda t: t.sin().cos(), x) == 2 * 4 * 8 * 8  # x and sin(x): two storages
+    assert saved_tensor_bytes(lambda t: t + 1, x) == 0  # addition needs nothing for its backward
+    with torch.no_grad():
+        assert saved_tensor_bytes(lambda t: t * t, x) == 0
+    assert saved_tensor_bytes(lambda t: t * t, x.detach()) == 0  # nothing requires a gradient
+    # Dense explicit attention keeps (L, S) matrices for backward; the fused kernel keeps O(L + S).
+    L, D = 64, 8
+    q, k, v = (torch.randn(1, 2, L, D, requires_grad=True) for _ in range(3))
+    weights = 2 * L * L * 4
+    assert saved_tensor_bytes(ac.scaled_dot_product_attention, q, k, v, fused=False) >= 2 * weights
+    assert saved_tensor_bytes(ac.scaled_dot_product_attention, q, k, v, fused=True) < weights
