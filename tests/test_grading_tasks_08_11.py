@@ -69,8 +69,13 @@ def _nonfinite_raise_at_first(model, x):
 
 def _nonfinite_list(model, x):
     bad = []
+
+    def record(module, args, out, name):
+        if not out.isfinite().all():
+            bad.append(name)
+
     handles = [
-        module.register_forward_hook(lambda m, a, out, name=name: bad.append(name) if not out.isfinite().all() else None)
+        module.register_forward_hook(lambda m, a, out, name=name: record(m, a, out, name))
         for name, module in model.named_modules()
     ]
     with torch.no_grad():

@@ -27,7 +27,7 @@ def _entropy_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(808)
     dense = torch.softmax(2 * torch.randn(2, 3, 4, 6, generator=gen, dtype=torch.float64), dim=-1)  # (B, H, L, S)
     scores = 2 * torch.randn(1, 2, 5, 5, generator=gen, dtype=torch.float64)  # (B, H, L, S)
-    causal = stable_softmax(scores.masked_fill(~causal_mask(5), float("-inf")))  # (B, H, L, S), zeros above the diagonal
+    causal = stable_softmax(scores.masked_fill(~causal_mask(5), float("-inf")))  # (B, H, L, S), 0 above the diagonal
     edge = torch.tensor(
         [
             [1.0, 0.0, 0.0, 0.0],  # all weight on one key: entropy 0
@@ -58,7 +58,10 @@ def _entropy_shape_hint(got: torch.Tensor, weights: torch.Tensor) -> str:
     if tuple(got.shape) == tuple(weights.shape):
         return "You returned one value per weight: sum -w * log(w) over the keys (dim=-1) to get one value per row."
     if tuple(got.shape) == tuple(weights.shape[:-2]) + (weights.shape[-1],):
-        return "You summed over the queries (dim=-2). Each row (one query) is a distribution over the keys: sum over dim=-1."
+        return (
+            "You summed over the queries (dim=-2). Each row (one query) is a distribution over the keys: "
+            "sum over dim=-1."
+        )
     return "Rows are queries: weights (..., L, S) give entropies (..., L)."
 
 
@@ -96,7 +99,8 @@ def _judge_entropy(cases, outcomes):
             got = returned(outcome, what=case.name)
             expect_shape(got, weights.shape[:-1], what=case.name, hint=_entropy_shape_hint(got, weights))
             tolerance = {"atol": 1e-8, "rtol": 1e-7} if weights.dtype == torch.float64 else {"atol": 1e-5, "rtol": 1e-4}
-            expect_close(got, attention_entropy(weights), what=case.name, hint=_diagnose_entropy(got, weights) or "", **tolerance)
+            hint = _diagnose_entropy(got, weights) or ""
+            expect_close(got, attention_entropy(weights), what=case.name, hint=hint, **tolerance)
     with checklist.check("zero weights (masked keys, fully masked rows) add nothing, and no NaN"):
         for index in (_CAUSAL, _EDGE):
             case, outcome = cases[index], outcomes[index]
@@ -415,7 +419,8 @@ def _build_nonfinite_cases() -> list[Case]:
         Case("nn.Sequential(Linear, Log, Linear) on inputs (5, 4)", (sequential, x)),
         Case("a nested model (embed, blocks.0-2, head) whose blocks.1 overflows to inf", (nested, x)),
         Case("nn.Sequential(Linear, Exp, Softmax): exp overflows to inf, softmax then gives NaN", (overflow, x)),
-        Case("a model whose submodules run in a different order than they are defined", (_DefinedOutOfOrder(), positive)),
+        Case("a model whose submodules run in a different order than they are defined",
+             (_DefinedOutOfOrder(), positive)),
         Case("a healthy model (every output finite)", (_Net(), x)),
     ]
 
@@ -517,7 +522,9 @@ def _judge_nonfinite(cases, outcomes):
         for index, case in enumerate(cases):
             got = answer(index)
             if got is not None and not isinstance(got, str):
-                raise Fail(f"{case.name}: you returned a {type(got).__name__}; return the module's name (a str) or None.")
+                raise Fail(
+                    f"{case.name}: you returned a {type(got).__name__}; return the module's name (a str) or None."
+                )
     for title, index in (
         ("names the culprit in a plain nn.Sequential", _SEQUENTIAL),
         ("nested model: the innermost module that made the inf, not a container", _NESTED),

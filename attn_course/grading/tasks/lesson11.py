@@ -206,7 +206,8 @@ def _judge_decode(cases, outcomes):
             got = returned(outcome, what=case.name)
             expected = _decode_reference(*case.args)
             expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_decode(got, *case.args) or "")
+            hint = _diagnose_decode(got, *case.args) or ""
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("works in float32"):
         case, outcome = cases[3], outcomes[3]
         got = returned(outcome, what=case.name)
