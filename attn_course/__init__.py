@@ -5,7 +5,42 @@ D head dim, E model dim. Masks are boolean with True = may attend.
 """
 
 from .attention import scaled_dot_product_attention, stable_softmax
+from .chunked import (
+    PartialAttention,
+    chunked_attention,
+    finish_partial,
+    merge_partials,
+    partial_attention,
+    query_chunked_attention,
+)
 from .device import describe_device, pick_device, seed_everything
+from .diagnostics import (
+    AttentionCapture,
+    AttentionRecord,
+    GradientNormHistory,
+    NonFiniteError,
+    NonFiniteEvent,
+    NonFiniteTracker,
+    attention_entropy,
+    attention_stats,
+    capture_attention,
+    find_nonfinite,
+    format_gradient_norms,
+    gradient_norms,
+    track_gradient_norms,
+)
+from .dynamic import DynamicHeadAttention
+from .grouped import GroupedQueryAttention, compare_kv_cache_memory, grouped_attention, kv_cache_bytes, repeat_kv
+from .kv_cache import KVCache, decode_step, measure_decoding_speed
+from .linear import (
+    LinearAttentionState,
+    RandomFeatureMap,
+    elu_feature_map,
+    linear_attention,
+    linear_attention_quadratic,
+    linear_attention_step,
+    relu_feature_map,
+)
 from .masks import (
     causal_mask,
     combine_masks,
@@ -16,23 +51,63 @@ from .masks import (
     to_blocked_mask,
 )
 from .multihead import MultiHeadAttention, merge_heads, split_heads
+from .sparse import PATTERNS, SparseAttention, pattern_mask, sparse_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MultiHeadAttention",
+    "attention_entropy",
+    "attention_stats",
+    "AttentionCapture",
+    "AttentionRecord",
+    "capture_attention",
     "causal_mask",
+    "chunked_attention",
     "combine_masks",
+    "compare_kv_cache_memory",
+    "decode_step",
     "describe_device",
+    "DynamicHeadAttention",
+    "elu_feature_map",
+    "find_nonfinite",
+    "finish_partial",
+    "format_gradient_norms",
     "from_blocked_mask",
     "fully_masked_rows",
+    "gradient_norms",
+    "GradientNormHistory",
+    "grouped_attention",
+    "GroupedQueryAttention",
+    "kv_cache_bytes",
+    "KVCache",
+    "linear_attention",
+    "linear_attention_quadratic",
+    "linear_attention_step",
+    "LinearAttentionState",
     "mask_to_bias",
+    "measure_decoding_speed",
     "merge_heads",
+    "merge_partials",
+    "MultiHeadAttention",
+    "NonFiniteError",
+    "NonFiniteEvent",
+    "NonFiniteTracker",
     "padding_mask",
+    "partial_attention",
+    "PartialAttention",
+    "pattern_mask",
+    "PATTERNS",
     "pick_device",
+    "query_chunked_attention",
+    "RandomFeatureMap",
+    "relu_feature_map",
+    "repeat_kv",
     "scaled_dot_product_attention",
     "seed_everything",
+    "sparse_attention",
+    "SparseAttention",
     "split_heads",
     "stable_softmax",
     "to_blocked_mask",
+    "track_gradient_norms",
 ]
