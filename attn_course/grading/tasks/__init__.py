@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..core import Task
-from . import lesson01, lesson02, lesson03, lesson08, lesson11
+from . import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson11
 
 __all__ = ["TASKS", "tasks_for_lesson"]
 
@@ -18,6 +18,14 @@ TASKS: dict[str, Task] = {
         lesson03.CAUSAL_MASK,
         lesson03.PADDING_MASK,
         lesson03.MASKED_ATTENTION,
+        lesson04.ATTENTION_FLOPS,
+        lesson04.SAVED_TENSOR_BYTES,
+        lesson05.SLIDING_WINDOW_MASK,
+        lesson05.BLOCK_LOCAL_ATTENTION,
+        lesson06.LINEAR_ATTENTION,
+        lesson06.CAUSAL_LINEAR_ATTENTION,
+        lesson07.MERGE_PARTIALS,
+        lesson07.ONLINE_SOFTMAX_ATTENTION,
         lesson08.ATTENTION_ENTROPY,
         lesson08.QK_NORM_ATTENTION,
         lesson08.FIRST_NONFINITE_MODULE,

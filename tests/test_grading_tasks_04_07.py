@@ -1,0 +1,316 @@
+"""The lesson 04-07 tasks: fair to other correct solutions, stable through the batch grader's path.
+
+``test_grading_catalogue.py`` proves every catalogued bug is rejected with its hint. These tests
+prove the other side: correct code written differently from the reference scores full marks;
+a verdict does not change when outcomes travel through ``Outcome.to_plain`` / ``from_plain``
+(what the batch grader does); the judges never crash on the catalogue or on odd return values;
+cases are deterministic and building them leaves the caller's random state alone; and a
+diagnosis is never offered for a "bug" that gives the right answer on that case.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn_course.grading import TASKS, Outcome, grade_function, run_cases
+from attn_course.grading.tasks._variants import distinct_match
+
+OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"04", "05", "06", "07"}]
+
+
+# --- other correct solutions ---------------------------------------------------------------
+
+
+def _flops_per_matmul(B, H, L, S, D, Dv):
+    scores = 2 * L * D * S  # (L, D) @ (D, S)
+    mix = 2 * L * S * Dv  # (L, S) @ (S, Dv)
+    return B * H * (scores + mix)
+
+
+def _flops_tensor(B, H, L, S, D, Dv):
+    return torch.tensor(2.0 * B * H * L * S * (D + Dv))
+
+
+def _saved_dict(fn, *args):
+    seen = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)  # keeping the output keeps the graph, and every saved tensor, alive
+    del out
+    return sum(seen.values())
+
+
+def _saved_storages(fn, *args):
+    storages = []
+
+    def pack(t):
+        storages.append(t.untyped_storage())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    unique = {s.data_ptr(): s.nbytes() for s in storages}
+    return int(sum(unique.values()))
+
+
+def _window_triangles(L, window, is_causal):
+    mask = torch.ones(L, L, dtype=torch.bool).triu(-window).tril(window)  # (L, L), a band
+    return mask.tril() if is_causal else mask
+
+
+def _window_loop(L, window, is_causal):
+    mask = torch.zeros(L, L, dtype=torch.bool)
+    for i in range(L):
+        hi = i if is_causal else min(L - 1, i + window)
+        mask[i, max(0, i - window): hi + 1] = True
+    return mask
+
+
+def _block_loop(q, k, v, block_size):
+    outputs = []
+    for start in range(0, q.shape[-2], block_size):  # the last slice is simply shorter: no padding needed
+        block = slice(start, start + block_size)
+        outputs.append(F.scaled_dot_product_attention(q[..., block, :], k[..., block, :], v[..., block, :]))
+    return torch.cat(outputs, dim=-2)
+
+
+def _block_einsum(q, k, v, block_size):
+    L, D = q.shape[-2], q.shape[-1]
+    nb = math.ceil(L / block_size)
+    pad = nb * block_size - L
+    qp, kp, vp = (F.pad(x, (0, 0, 0, pad)).unflatten(-2, (nb, block_size)) for x in (q, k, v))  # (..., nb, b, D)
+    scores = torch.einsum("...nqd,...nkd->...nqk", qp, kp) / math.sqrt(D)  # (..., nb, b, b)
+    real = (torch.arange(nb * block_size) < L).view(nb, 1, block_size)  # (nb, 1, b)
+    weights = scores.masked_fill(~real, float("-inf")).softmax(-1)  # (..., nb, b, b)
+    out = torch.einsum("...nqk,...nkd->...nqd", weights, vp)  # (..., nb, b, Dv)
+    return out.flatten(-3, -2)[..., :L, :]  # (..., L, Dv)
+
+
+def _linear_einsum(q, k, v, mask):
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M), (..., S, M)
+    if mask is not None:
+        phi_k = phi_k * mask.transpose(-2, -1).to(phi_k.dtype)  # (..., S, M), padding zeroed
+    kv = torch.einsum("...sm,...sd->...md", phi_k, v)  # (..., M, Dv)
+    z = phi_k.sum(-2)  # (..., M)
+    num = torch.einsum("...lm,...md->...ld", phi_q, kv)  # (..., L, Dv)
+    den = torch.einsum("...lm,...m->...l", phi_q, z)[..., None]  # (..., L, 1)
+    return num / (den + 1e-6)
+
+
+def _linear_quadratic(q, k, v, mask):
+    a = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)  # (..., L, S)
+    if mask is not None:
+        a = a * mask
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+
+
+def _causal_rnn(q, k, v):
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
+    state = torch.zeros(*q.shape[:-2], q.shape[-1], v.shape[-1], dtype=q.dtype)  # (..., M, Dv)
+    z = torch.zeros(*q.shape[:-2], q.shape[-1], dtype=q.dtype)  # (..., M)
+    outputs = []
+    for t in range(q.shape[-2]):
+        state = state + phi_k[..., t, :, None] * v[..., t, None, :]
+        z = z + phi_k[..., t, :]
+        num = (phi_q[..., t, :, None] * state).sum(-2)  # (..., Dv)
+        outputs.append(num / ((phi_q[..., t, :] * z).sum(-1, keepdim=True) + 1e-6))
+    return torch.stack(outputs, dim=-2)
+
+
+def _causal_tril(q, k, v):
+    a = ((F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)).tril()  # (..., L, L)
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+
+
+def _merge_where(first, second):
+    (a1, m1, l1), (a2, m2, l2) = first, second
+    m = torch.maximum(m1, m2)
+    f1 = torch.where(m1 == float("-inf"), torch.zeros_like(m1), torch.exp(m1 - m))
+    f2 = torch.where(m2 == float("-inf"), torch.zeros_like(m2), torch.exp(m2 - m))
+    return [a1 * f1 + a2 * f2, m, l1 * f1 + l2 * f2]
+
+
+def _merge_nan_to_num(first, second):
+    (a1, m1, l1), (a2, m2, l2) = first, second
+    m = torch.maximum(m1, m2)
+    f1, f2 = torch.nan_to_num(torch.exp(m1 - m)), torch.nan_to_num(torch.exp(m2 - m))
+    return a1 * f1 + a2 * f2, m, l1 * f1 + l2 * f2
+
+
+def _online_lse(q, k, v, chunk_size):
+    scale = q.shape[-1] ** -0.5
+    lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype)  # (..., L, 1), running log-sum-exp
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)  # (..., L, Dv), normalised so far
+    for start in range(0, k.shape[-2], chunk_size):
+        scores = q @ k[..., start:start + chunk_size, :].transpose(-2, -1) * scale  # (..., L, c)
+        chunk_lse = torch.logsumexp(scores, -1, keepdim=True)
+        new_lse = torch.logaddexp(lse, chunk_lse)
+        chunk_out = torch.softmax(scores, -1) @ v[..., start:start + chunk_size, :]
+        out = out * torch.exp(lse - new_lse) + chunk_out * torch.exp(chunk_lse - new_lse)
+        lse = new_lse
+    return out
+
+
+def _online_both_chunked(q, k, v, chunk_size):
+    rows = []
+    for q0 in range(0, q.shape[-2], 2):  # queries two at a time, keys chunk by chunk
+        qc = q[..., q0:q0 + 2, :] / math.sqrt(q.shape[-1])
+        m = l = acc = None
+        for k0 in range(0, k.shape[-2], chunk_size):
+            s = qc @ k[..., k0:k0 + chunk_size, :].transpose(-2, -1)
+            m_new = s.amax(-1, keepdim=True) if m is None else torch.maximum(m, s.amax(-1, keepdim=True))
+            p = torch.exp(s - m_new)
+            if m is None:
+                l, acc = p.sum(-1, keepdim=True), p @ v[..., k0:k0 + chunk_size, :]
+            else:
+                l = l * torch.exp(m - m_new) + p.sum(-1, keepdim=True)
+                acc = acc * torch.exp(m - m_new) + p @ v[..., k0:k0 + chunk_size, :]
+            m = m_new
+        rows.append(acc / l)
+    return torch.cat(rows, dim=-2)
+
+
+ALTERNATIVES = {
+    "04.attention_flops": [_flops_per_matmul, _flops_tensor],
+    "04.saved_tensor_bytes": [_saved_dict, _saved_storages],
+    "05.sliding_window_mask": [_window_triangles, _window_loop],
+    "05.block_local_attention": [_block_loop, _block_einsum],
+    "06.linear_attention": [_linear_einsum, _linear_quadratic],
+    "06.causal_linear_attention": [_causal_rnn, _causal_tril],
+    "07.merge_partials": [_merge_where, _merge_nan_to_num],
+    "07.online_softmax_attention": [_online_lse, _online_both_chunked],
+}
+ALTERNATIVE_CASES = [(task_id, i) for task_id, fns in ALTERNATIVES.items() for i in range(len(fns))]
+
+
+def test_every_task_of_lessons_04_to_07_has_alternatives():
+    assert set(ALTERNATIVES) == set(OURS)
+    assert {"04", "05", "06", "07"} == {task_id.split(".")[0] for task_id in OURS}
+    for task_id in OURS:
+        assert 2 <= sum(t.split(".")[0] == task_id.split(".")[0] for t in OURS) <= 4
+
+
+@pytest.mark.parametrize("task_id,index", ALTERNATIVE_CASES, ids=[f"{t}:{i}" for t, i in ALTERNATIVE_CASES])
+def test_other_correct_solutions_score_full_marks(task_id, index):
+    result = grade_function(TASKS[task_id], ALTERNATIVES[task_id][index])
+    assert result.score == result.max_score, result.report()
+
+
+# --- robustness ----------------------------------------------------------------------------
+
+
+def _all_functions(task_id):
+    task = TASKS[task_id]
+    return [("reference", task.reference)] + [(name, fn) for name, (fn, _) in task.wrong.items()]
+
+
+@pytest.mark.parametrize("task_id", OURS)
+def test_verdicts_survive_the_batch_graders_round_trip(task_id):
+    task = TASKS[task_id]
+    for name, fn in _all_functions(task_id):
+        cases = task.make_cases()
+        outcomes = run_cases(fn, cases)
+        direct = task.judge(cases, outcomes)
+        plain = [Outcome.from_plain(o.to_plain()) for o in outcomes]
+        again = task.judge(task.make_cases(), plain)
+        assert [(c.name, c.passed, c.message) for c in direct] == [(c.name, c.passed, c.message) for c in again], name
+
+
+@pytest.mark.parametrize("task_id", OURS)
+def test_judges_never_crash_on_the_catalogue(task_id):
+    for name, fn in _all_functions(task_id):
+        result = grade_function(TASKS[task_id], fn)
+        crashed = [c.message for c in result.checks if c.message.startswith("could not check your result")]
+        assert not crashed, f"{name}: {crashed}"
+
+
+@pytest.mark.parametrize("task_id", OURS)
+def test_judges_survive_odd_return_values(task_id):
+    for odd in (None, "text", 3, [1, 2], torch.zeros(0), (torch.zeros(2), torch.zeros(2)), float("nan")):
+        result = grade_function(TASKS[task_id], lambda *args, odd=odd: odd)
+        crashed = [c.message for c in result.checks if c.message.startswith("could not check your result")]
+        assert not crashed, f"{odd!r}: {crashed}"
+        assert result.score < result.max_score
+
+
+@pytest.mark.parametrize("task_id", OURS)
+def test_an_error_in_one_case_costs_only_that_cases_checks(task_id):
+    task = TASKS[task_id]
+    cases = task.make_cases()
+    last = cases[-1]
+
+    def raises_on_last_case(*args):
+        if len(args) == len(last.args) and all(
+            (torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+             else a is b if callable(a) else a == b if not isinstance(a, (torch.Tensor, tuple)) else repr(a) == repr(b))
+            for a, b in zip(args, last.args)
+        ):
+            raise RuntimeError("boom")
+        return task.reference(*args)
+
+    result = grade_function(task, raises_on_last_case)
+    assert 0 < result.score < result.max_score, result.report()
+    assert "boom" in result.feedback and last.name in result.feedback
+
+
+@pytest.mark.parametrize("task_id", OURS)
+def test_cases_are_deterministic_and_leave_the_global_rng_alone(task_id):
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = TASKS[task_id].make_cases()
+    assert torch.equal(torch.rand(3), expected_next), "building the cases changed the caller's random state"
+    second = TASKS[task_id].make_cases()
+    assert [c.name for c in first] == [c.name for c in second]
+
+    def flat(args):
+        for x in args:
+            if isinstance(x, (tuple, list)):
+                yield from flat(x)
+            else:
+                yield x
+
+    for a, b in zip(first, second):
+        for x, y in zip(flat(a.args), flat(b.args)):
+            assert type(x) is type(y)
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y) and x.dtype == y.dtype and x.requires_grad == y.requires_grad
+            else:
+                assert x == y or x is y
+
+
+def test_number_tasks_reject_garbage_with_a_message():
+    for task_id in ("04.attention_flops", "04.saved_tensor_bytes"):
+        result = grade_function(TASKS[task_id], lambda *args: "not a number")
+        assert result.score == 0 and "should return a number" in result.feedback
+    result = grade_function(TASKS["04.saved_tensor_bytes"], lambda *args: 10.5)
+    assert "whole number" in result.feedback
+
+
+def test_flop_cases_are_counted_by_pytorch_not_by_our_formula():
+    """The judge's expected counts come from FlopCounterMode; they agree with the formula of the lesson."""
+    from attn_course.grading.tasks.lesson04 import _counted_flops
+
+    for case in TASKS["04.attention_flops"].make_cases():
+        B, H, L, S, D, Dv = case.args
+        assert _counted_flops(*case.args) == 2 * B * H * L * S * (D + Dv)
+
+
+def test_a_variant_equal_to_the_right_answer_is_never_a_diagnosis():
+    """Full attention IS block-local attention when the block covers the sequence: no bogus hint there."""
+    task = TASKS["05.block_local_attention"]
+    long_block = next(c for c in task.make_cases() if "block_size=8" in c.name)
+    q, k, v, block = long_block.args
+    right = task.reference(q, k, v, block)
+    message = distinct_match(right, right, [(lambda: F.scaled_dot_product_attention(q, k, v), "full attention")])
+    assert message is None
+    wrong = right + 1
+    assert distinct_match(wrong, right, [(lambda: wrong.clone(), "off by one")]) == "Off by one"
