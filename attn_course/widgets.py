@@ -16,7 +16,8 @@ Explorers:
   heatmap with token labels, or every head of a layer in a grid (lesson 02);
 * ``ScaleExplorer``: how ``d_k``, the ``1/sqrt(d_k)`` scale and a temperature change the
   scores' spread and the softmax's sharpness (lesson 01);
-* ``MaskExplorer``: causal, padding and combined masks and the weights they leave (lesson 03).
+* ``MaskExplorer``: causal, padding and combined masks and the weights they leave (lesson 03);
+* ``PatternExplorer``: sparse attention patterns, their masks and density (lesson 05).
 
 At most ``attn_course.viz.MAX_TOKENS`` (64) positions are drawn, so long inputs stay responsive.
 """
@@ -34,9 +35,10 @@ from matplotlib.figure import Figure
 from ._checks import shape_str
 from .attention import scaled_dot_product_attention
 from .masks import causal_mask, combine_masks, padding_mask
+from .sparse import PATTERNS, pattern_mask
 from .viz import MAX_TOKENS, figure_to_png, plot_attention, plot_heads, plot_mask
 
-__all__ = ["HeadExplorer", "ScaleExplorer", "MaskExplorer"]
+__all__ = ["HeadExplorer", "ScaleExplorer", "MaskExplorer", "PatternExplorer"]
 
 
 class _Explorer:
@@ -406,3 +408,97 @@ def _check_cap(value: int, *, what: str = "max_tokens") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
         raise ValueError(f"{what} must be an int in [1, {MAX_TOKENS}] (the drawing cap), got {value!r}")
     return value
+
+
+class PatternExplorer(_Explorer):
+    """Sparse attention patterns (lesson 05): which keys each query may attend to, and how many.
+
+    Controls: the pattern (``"block"``, ``"sliding"``, ``"strided"``), its size (the block
+    length, the window radius or the stride -- the slider's label follows the pattern), the
+    number of global tokens, causal or not, and the sequence length. Left: the boolean mask
+    from :func:`attn_course.sparse.pattern_mask` (the one ``sparse_attention`` equals). Right:
+    the number of keys each query attends to, against dense attention's. The title gives the
+    density: the fraction of the ``L x L`` (or, causal, the lower-triangle) pairs computed.
+    """
+
+    name = "pattern"
+    SIZE_LABELS = {"block": "block size", "sliding": "window ±", "strided": "stride"}
+
+    def __init__(
+        self,
+        *,
+        pattern: str = "sliding",
+        length: int = 32,
+        size: int = 4,
+        num_global: int = 0,
+        is_causal: bool = False,
+        save_dir: str | Path = ".",
+    ) -> None:
+        self._check_state(pattern, length, size, num_global)
+        self.pattern = widgets.Dropdown(options=list(PATTERNS), value=pattern, description="pattern")
+        self.size = widgets.IntSlider(value=size, min=1, max=MAX_TOKENS, description=self.SIZE_LABELS[pattern])
+        self.num_global = widgets.IntSlider(value=num_global, min=0, max=8, description="global tokens")
+        self.is_causal = widgets.Checkbox(value=is_causal, description="causal")
+        self.length = widgets.IntSlider(value=length, min=1, max=MAX_TOKENS, description="length")
+        self.pattern.observe(self._sync_size_label, names="value")
+        super().__init__([self.pattern, self.size, self.num_global, self.is_causal, self.length], save_dir=save_dir)
+        self.refresh()
+
+    def _check_state(self, pattern: str, length: int, size: int, num_global: int) -> None:
+        if pattern not in PATTERNS:
+            raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+        _check_cap(length, what="length")
+        _check_cap(size, what="size")
+        if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 0:
+            raise ValueError(f"num_global must be an int >= 0, got {num_global!r}")
+
+    def _sync_size_label(self, change: dict) -> None:
+        self.size.description = self.SIZE_LABELS[change["new"]]
+
+    @property
+    def state(self) -> dict:
+        return {
+            "pattern": self.pattern.value,
+            "length": self.length.value,
+            "size": self.size.value,
+            "num_global": self.num_global.value,
+            "is_causal": self.is_causal.value,
+        }
+
+    def mask(self, *, pattern: str, length: int, size: int, num_global: int = 0, is_causal: bool = False) -> torch.Tensor:
+        """The boolean ``(L, L)`` mask, True = may attend (``attn_course.sparse.pattern_mask``)."""
+        self._check_state(pattern, length, size, num_global)
+        return pattern_mask(length, pattern=pattern, size=size, num_global=num_global, is_causal=is_causal)
+
+    def density(self, *, pattern: str, length: int, size: int, num_global: int = 0, is_causal: bool = False) -> dict:
+        """Pairs computed: ``allowed`` of the pattern, ``dense`` of full (or causal) attention, their ratio."""
+        allowed = int(self.mask(pattern=pattern, length=length, size=size, num_global=num_global,
+                                is_causal=is_causal).sum())
+        dense = length * (length + 1) // 2 if is_causal else length * length
+        return {"allowed": allowed, "dense": dense, "fraction": allowed / dense}
+
+    def draw(
+        self, *, pattern: str = "sliding", length: int = 32, size: int = 4, num_global: int = 0, is_causal: bool = False
+    ) -> Figure:
+        """Left: the mask. Right: keys attended per query, sparse against dense."""
+        mask = self.mask(pattern=pattern, length=length, size=size, num_global=num_global, is_causal=is_causal)
+        stats = self.density(pattern=pattern, length=length, size=size, num_global=num_global, is_causal=is_causal)
+        per_query = mask.sum(dim=-1)  # (L,), keys each query attends to
+        dense = torch.arange(1, length + 1) if is_causal else torch.full((length,), length)  # (L,)
+        fig = Figure(figsize=(10.0, 4.2), layout="constrained")
+        left, right = fig.subplots(1, 2, width_ratios=[1.1, 1])
+        how = {"block": f"blocks of {size}", "sliding": f"window ±{size}", "strided": f"window ±{size}, stride {size}"}
+        extras = (f", {min(num_global, length)} global" if num_global else "") + (", causal" if is_causal else "")
+        plot_mask(mask, ax=left, title=f"{pattern}: {how[pattern]}{extras}")
+        positions = torch.arange(length)
+        right.bar(positions.numpy(), per_query.numpy(), color="#2c7fb8", width=0.9, label="sparse pattern")
+        right.step(positions.numpy(), dense.numpy(), where="mid", color="grey", linestyle=":",
+                   label="causal attention" if is_causal else "dense attention")
+        right.set_xlabel("query position")
+        right.set_ylabel("keys attended")
+        right.set_ylim(0, length + 0.5)
+        right.legend(loc="upper left", fontsize="small")
+        right.set_title(f"{stats['allowed']} of {stats['dense']} pairs")
+        fig.suptitle(f"{length} positions: the pattern computes {stats['fraction']:.1%} of "
+                     f"{'causal' if is_causal else 'dense'} attention's score pairs")
+        return fig

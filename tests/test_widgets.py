@@ -221,3 +221,56 @@ def test_displaying_an_explorer_displays_its_ui(monkeypatch):
     explorer._ipython_display_()
     assert shown == [explorer.ui]
     assert explorer.image in explorer.ui.children
+
+
+# --- pattern explorer (lesson 05) -----------------------------------------------------------
+
+
+def test_pattern_explorer_follows_every_control():
+    from attn_course.sparse import pattern_mask
+    from attn_course.widgets import PatternExplorer
+
+    explorer = PatternExplorer(pattern="sliding", length=16, size=2)
+    np.testing.assert_array_equal(_drawn(explorer), pattern_mask(16, pattern="sliding", size=2).numpy())
+    png = bytes(explorer.image.value)
+    assert png.startswith(PNG)
+
+    explorer.pattern.value = "block"
+    assert explorer.size.description == "block size"
+    np.testing.assert_array_equal(_drawn(explorer), pattern_mask(16, pattern="block", size=2).numpy())
+    assert bytes(explorer.image.value) != png, "the live image is redrawn"
+    explorer.size.value = 5  # 16 = 3 blocks of 5 + 1: the last block is shorter
+    np.testing.assert_array_equal(_drawn(explorer), pattern_mask(16, pattern="block", size=5).numpy())
+    explorer.num_global.value = 2
+    explorer.is_causal.value = True
+    expected = pattern_mask(16, pattern="block", size=5, num_global=2, is_causal=True)
+    np.testing.assert_array_equal(_drawn(explorer), expected.numpy())
+    explorer.pattern.value = "strided"
+    explorer.length.value = 40
+    expected = pattern_mask(40, pattern="strided", size=5, num_global=2, is_causal=True)
+    np.testing.assert_array_equal(_drawn(explorer), expected.numpy())
+    assert explorer.size.description == "stride"
+    assert explorer.state == {"pattern": "strided", "length": 40, "size": 5, "num_global": 2, "is_causal": True}
+
+    # The bars on the right are the keys each query attends to; the title gives the density.
+    bars = [patch.get_height() for patch in explorer.figure.axes[1].patches]
+    assert bars == expected.sum(-1).tolist()
+    stats = explorer.density(**explorer.state)
+    assert stats == {"allowed": int(expected.sum()), "dense": 40 * 41 // 2, "fraction": int(expected.sum()) / 820}
+    assert f"{stats['fraction']:.1%}" in explorer.figure.get_suptitle()
+
+
+def test_pattern_explorer_density_of_known_patterns_and_bad_state(tmp_path):
+    from attn_course.widgets import PatternExplorer
+
+    explorer = PatternExplorer(save_dir=tmp_path)
+    assert explorer.density(pattern="block", length=12, size=4)["allowed"] == 3 * 4 * 4
+    assert explorer.density(pattern="block", length=12, size=12)["fraction"] == 1.0
+    causal_full = explorer.density(pattern="sliding", length=10, size=10, is_causal=True)
+    assert causal_full["fraction"] == 1.0 and causal_full["dense"] == 55
+    with pytest.raises(ValueError, match="pattern must be one of"):
+        explorer.draw(pattern="random")
+    with pytest.raises(ValueError, match="drawing cap"):
+        explorer.mask(pattern="block", length=MAX_TOKENS + 1, size=4)
+    explorer.save_button.click()
+    assert next(tmp_path.glob("pattern_*.png")).read_bytes().startswith(PNG)
