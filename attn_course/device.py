@@ -53,4 +53,5 @@ def describe_device(device: torch.device | str) -> str:
         return f"cuda: {torch.cuda.get_device_name(device)}"
     if device.type == "mps":
         return "mps: Apple GPU"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'s' if threads != 1 else ''})"
