@@ -211,10 +211,12 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
     def position_scores(self, q: torch.Tensor) -> torch.Tensor:
         """The position term ``(q_i + v) . W_r R[i - j]``, unscaled: q ``(B, H, L, D)`` -> ``(B, H, L, L)``."""
         L = q.shape[-2]
-        offsets = relative_positions(L, device=q.device, dtype=q.dtype)  # (2L-1,)
-        table = sinusoidal_encoding(offsets, self.d_model, base=self.base)  # (2L-1, E)
-        r = split_heads(self.pos_proj(table)[None], self.num_heads)[0]  # (H, 2L-1, D)
-        q_v = q + self.pos_bias_v[:, None, :]  # (B, H, L, D)
+        # Offsets beyond 256 are not exact in bfloat16: build the table in float32 at least.
+        exact = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        offsets = relative_positions(L, device=q.device, dtype=exact)  # (2L-1,)
+        table = sinusoidal_encoding(offsets, self.d_model, base=self.base).to(self.pos_proj.weight.dtype)  # (2L-1, E)
+        r = split_heads(self.pos_proj(table)[None], self.num_heads)[0].to(q.dtype)  # (H, 2L-1, D)
+        q_v = q + self.pos_bias_v[:, None, :].to(q.dtype)  # (B, H, L, D)
         by_offset = torch.matmul(q_v, r.transpose(-2, -1))  # (B, H, L, 2L-1)
         return rel_shift(by_offset)  # (B, H, L, L)
 
@@ -250,7 +252,7 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
                     f"{shape_str(bias.shape)}; a (B, S) padding mask needs mask[:, None, None, :]"
                 ) from None
             bias = bias.masked_fill(~mask, float("-inf"))  # (B, H, L, L)
-        q_u = q + self.pos_bias_u[:, None, :]  # (B, H, L, D)
+        q_u = q + self.pos_bias_u[:, None, :].to(q.dtype)  # (B, H, L, D)
         attended = scaled_dot_product_attention(
             q_u,
             k,

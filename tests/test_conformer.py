@@ -297,3 +297,13 @@ def test_encoder_errors_name_the_shapes():
         model(torch.randn(2, 30, 12, dtype=torch.float64), torch.tensor([31, 4]))
     with pytest.raises(ValueError, match="at least 7 frames"):
         model(torch.randn(2, 30, 12, dtype=torch.float64), torch.tensor([30, 4]))
+
+
+def test_block_checks_its_inputs():
+    block = ConformerBlock(SMALL)
+    with pytest.raises(ValueError, match=r"\(B, T, E=16\)"):
+        block(torch.randn(2, 5, 8))
+    with pytest.raises(TypeError, match="bool"):
+        block(torch.randn(2, 5, 16), torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"\(B, T\) = \(2, 5\)"):
+        block(torch.randn(2, 5, 16), torch.ones(2, 4, dtype=torch.bool))

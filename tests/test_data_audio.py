@@ -129,7 +129,7 @@ def test_log_mel_of_a_tone_lights_its_band():
 
 def test_dataset_labels_are_the_last_key_and_deterministic():
     data = make_dtmf_dataset(24, seed=3)
-    assert data.features.shape == (24, 101, 40) and data.labels.shape == (24,)
+    assert data.features.shape == (24, 51, 24) and data.labels.shape == (24,)
     assert all(2 <= len(s) <= 4 for s in data.sequences)
     assert [DTMF_KEYS[i] for i in data.labels.tolist()] == [s[-1] for s in data.sequences]
     again = make_dtmf_dataset(24, seed=3)
@@ -144,4 +144,12 @@ def test_split_is_standardised_with_training_statistics():
     assert abs(split.train.features.mean().item()) < 1e-4
     assert abs(split.train.features.std().item() - 1) < 1e-4
     assert split.train.sequences != split.test.sequences[: len(split.train.sequences)]
-    assert split.test.features.shape == (20, 101, 40)
+    assert split.test.features.shape == (20, 51, 24)
+
+
+def test_spectrogram_options_reach_the_features():
+    data = make_dtmf_dataset(3, seed=0, n_mels=24, hop_length=160, n_fft=512, f_min=500.0, f_max=2000.0)
+    assert data.features.shape == (3, SAMPLE_RATE // 160 + 1, 24)
+    _, waves = make_dtmf_dataset(3, seed=0, return_waveforms=True)
+    expected = log_mel_spectrogram(waves, n_mels=24, hop_length=160, n_fft=512, f_min=500.0, f_max=2000.0)
+    torch.testing.assert_close(data.features, expected)
