@@ -413,11 +413,25 @@ def gradient_norms(model: nn.Module, *, norm_type: float = 2.0) -> dict[str, flo
     }
 
 
+def _format_norm(value: float | None) -> str:
+    if value is None:
+        return "no grad"
+    if 0 < value < 1e-6:
+        # Below 1e-6 a norm is rounding noise (a gradient that is 0 in exact arithmetic, such as a
+        # key bias's): its digits change between CPU types, so they are not printed.
+        return "< 1e-6"
+    return f"{value:.4g}"
+
+
 def format_gradient_norms(norms: dict[str, float | None]) -> str:
-    """A text table of ``gradient_norms``: name, norm (``no grad`` for None), and a total 2-norm."""
-    rows = [[name, "no grad" if value is None else f"{value:.4g}"] for name, value in norms.items()]
+    """A text table of ``gradient_norms`` (lesson 08): name, norm, and a total 2-norm.
+
+    ``None`` prints as ``no grad``, an exact zero as ``0`` and a norm below 1e-6 as ``< 1e-6``
+    (rounding noise whose digits differ between machines).
+    """
+    rows = [[name, _format_norm(value)] for name, value in norms.items()]
     present = [value for value in norms.values() if value is not None]
-    rows.append(["(total)", f"{math.sqrt(sum(v * v for v in present)):.4g}" if present else "no grad"])
+    rows.append(["(total)", _format_norm(math.sqrt(sum(v * v for v in present))) if present else "no grad"])
     return _format_table(["parameter", "grad norm"], rows)
 
 

@@ -255,6 +255,19 @@ def test_gradient_norms_after_backward():
     assert f"{math.hypot(expected_weight, math.sqrt(2) * 4):.4g}" in table.splitlines()[-1]
 
 
+def test_format_gradient_norms_hides_rounding_noise_below_1e6():
+    norms = {"big": 0.25, "noise": 1.731e-09, "tiny but real": 2.5e-6, "zero": 0.0, "missing": None}
+    table = format_gradient_norms(norms)
+    assert re.search(r"^big +0\.25$", table, flags=re.M)
+    assert re.search(r"^noise +< 1e-6$", table, flags=re.M)
+    assert "1.731e-09" not in table
+    assert re.search(r"^tiny but real +2\.5e-06$", table, flags=re.M)
+    assert re.search(r"^zero +0$", table, flags=re.M)
+    assert re.search(r"^missing +no grad$", table, flags=re.M)
+    assert table.splitlines()[-1].split()[-1] == "0.25"
+    assert format_gradient_norms({"noise": 3e-9}).splitlines()[-1].endswith("< 1e-6")
+
+
 def test_track_gradient_norms_inside_fit_sees_pre_clipping_norms():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
