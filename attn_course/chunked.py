@@ -13,9 +13,10 @@ same result (exactly, up to rounding) while holding only one chunk of scores at 
     with ``S`` (an ``(chunk, S)`` matrix); the FLOPs are the same as dense attention; and
     when autograd records the forward pass it keeps every chunk's ``(chunk, S)`` weights
     for the backward pass, so training memory is still ``O(L S)``.
-  - The article's version also wrote into ``torch.zeros_like(V)``, which has the wrong
-    shape whenever ``L != S`` or ``Dv != D`` (and breaks autograd with in-place writes), had
-    no mask and no causal option, and hard-coded the chunk size.
+  - The article's version also wrote into ``torch.zeros_like(V)``, which has S rows, not L:
+    with fewer queries than keys it silently returns S rows (the extra ones zero), with more
+    it raises. It had no mask and no causal option, and hard-coded the chunk size. (Its
+    in-place writes into the output are fine for autograd: the gradients are exact.)
 
 * :func:`chunked_attention` -- queries *and* keys in chunks, combined with the **online
   softmax** (Milakov & Gimelshein 2018; Rabe & Staats 2021, "Self-attention does not need
