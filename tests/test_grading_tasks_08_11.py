@@ -35,14 +35,14 @@ def _entropy_article_per_row(weights):
     return -(weights * torch.log(weights + 1e-9)).sum(-1)  # the article's fudge, kept per row: close enough
 
 
-def _qk_functional(q, k, v, temperature):
-    return F.scaled_dot_product_attention(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, scale=temperature)
+def _qk_functional(q, k, v, scale):
+    return F.scaled_dot_product_attention(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, scale=scale)
 
 
-def _qk_manual(q, k, v, temperature):
+def _qk_manual(q, k, v, scale):
     q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    scores = temperature * torch.einsum("...ld,...sd->...ls", q, k)  # (..., L, S)
+    scores = scale * torch.einsum("...ld,...sd->...ls", q, k)  # (..., L, S)
     return torch.einsum("...ls,...sd->...ld", scores.softmax(-1), v)  # (..., L, Dv)
 
 

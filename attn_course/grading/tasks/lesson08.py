@@ -180,8 +180,9 @@ ATTENTION_ENTROPY = Task(
 
 
 # --- 08.qk_norm_attention ------------------------------------------------------------------
-# The learner writes qk_norm_attention(q, k, v, temperature): attention on unit-length
-# queries and keys (Henry et al., 2020), scores = temperature * cos(q_i, k_j), no 1/sqrt(D).
+# The learner writes qk_norm_attention(q, k, v, scale): attention on unit-length queries and
+# keys (Henry et al., 2020), scores = scale * cos(q_i, k_j), no 1/sqrt(D). The scale g multiplies
+# the scores (an inverse temperature); "temperature" in the course is always a divisor.
 
 
 def _qk_cases() -> list[Case]:
@@ -193,13 +194,13 @@ def _qk_cases() -> list[Case]:
     zero_query = randn(1, 2, 4, 8, std=5.0)  # (B, H, L, D)
     zero_query[0, 1, 2] = 0.0  # one query vector is exactly zero
     return [
-        Case("huge q and k (std 30): q (2, 2, 5, 8), k, v (2, 2, 6, 8), temperature 4.0, float64",
+        Case("huge q and k (std 30): q (2, 2, 5, 8), k, v (2, 2, 6, 8), scale 4.0, float64",
              (randn(2, 2, 5, 8, std=30.0), randn(2, 2, 6, 8, std=30.0), randn(2, 2, 6, 8), 4.0)),
-        Case("q (3, 4, 16), k (3, 7, 16), v (3, 7, 5), temperature 10.0, float64",
+        Case("q (3, 4, 16), k (3, 7, 16), v (3, 7, 5), scale 10.0, float64",
              (randn(3, 4, 16), randn(3, 7, 16, std=0.1), randn(3, 7, 5), 10.0)),
-        Case("one query vector is all zeros: q (1, 2, 4, 8), k, v (1, 2, 4, 8), temperature 2.0, float64",
+        Case("one query vector is all zeros: q (1, 2, 4, 8), k, v (1, 2, 4, 8), scale 2.0, float64",
              (zero_query, randn(1, 2, 4, 8), randn(1, 2, 4, 8), 2.0)),
-        Case("float32: q (2, 3, 8), k, v (2, 3, 8), temperature 5.0",
+        Case("float32: q (2, 3, 8), k, v (2, 3, 8), scale 5.0",
              (randn(2, 3, 8, dtype=torch.float32), randn(2, 3, 8, std=20.0, dtype=torch.float32),
               randn(2, 3, 8, dtype=torch.float32), 5.0)),
     ]
@@ -212,30 +213,31 @@ def _unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return F.normalize(x, dim=dim)
 
 
-def _qk_reference(q, k, v, temperature):
-    return scaled_dot_product_attention(_unit(q), _unit(k), v, scale=temperature)
+def _qk_reference(q, k, v, scale):
+    return scaled_dot_product_attention(_unit(q), _unit(k), v, scale=scale)
 
 
-def _diagnose_qk(got, q, k, v, temperature) -> str | None:
+def _diagnose_qk(got, q, k, v, scale) -> str | None:
     D = q.shape[-1]
     return first_match(
         got,
         [
-            (lambda: scaled_dot_product_attention(_unit(q), _unit(k), v, scale=temperature / math.sqrt(D)),
-             "you scaled by 1/sqrt(D) as well. With unit vectors the scores are cosines in [-1, 1]; the temperature "
+            (lambda: scaled_dot_product_attention(_unit(q), _unit(k), v, scale=scale / math.sqrt(D)),
+             "you scaled by 1/sqrt(D) as well. With unit vectors the scores are cosines in [-1, 1]; the scale g "
              "alone sets how sharp the softmax can get, so drop the 1/sqrt(D)."),
-            (lambda: scaled_dot_product_attention(_unit(q), _unit(k), v, scale=1.0 / temperature),
-             "you divided by the temperature. Here it multiplies the cosines: scores = temperature * cos(q_i, k_j)."),
-            (lambda: scaled_dot_product_attention(_unit(q, -2), _unit(k, -2), v, scale=temperature),
+            (lambda: scaled_dot_product_attention(_unit(q), _unit(k), v, scale=1.0 / scale),
+             "you divided by the scale. Here g multiplies the cosines (an inverse temperature): "
+             "scores = g * cos(q_i, k_j)."),
+            (lambda: scaled_dot_product_attention(_unit(q, -2), _unit(k, -2), v, scale=scale),
              "you normalised over the sequence axis (dim=-2). Normalise each query and key vector over its features "
              "(dim=-1)."),
-            (lambda: scaled_dot_product_attention(_unit(q), k, v, scale=temperature),
+            (lambda: scaled_dot_product_attention(_unit(q), k, v, scale=scale),
              "you normalised q but not k: both must have unit length, or large keys still saturate the softmax."),
-            (lambda: scaled_dot_product_attention(q, _unit(k), v, scale=temperature),
+            (lambda: scaled_dot_product_attention(q, _unit(k), v, scale=scale),
              "you normalised k but not q: both must have unit length, or large queries still saturate the softmax."),
-            (lambda: scaled_dot_product_attention(q, k, v, scale=temperature),
+            (lambda: scaled_dot_product_attention(q, k, v, scale=scale),
              "your q and k are not normalised at all: divide each vector by its length (F.normalize(x, dim=-1))."),
-            (lambda: softmax_over_queries(_unit(q), _unit(k), v, scale=temperature),
+            (lambda: softmax_over_queries(_unit(q), _unit(k), v, scale=scale),
              "your softmax runs over the queries (dim=-2). Each query's weights over the keys must sum to 1 (dim=-1)."),
         ],
         atol=1e-9,
@@ -250,7 +252,7 @@ def _judge_qk(cases, outcomes):
             q, k, v, _ = case.args
             expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
             expect_dtype(got, q.dtype, what=case.name)
-    with checklist.check("scores are temperature * cosine similarity (huge inputs cannot saturate)"):
+    with checklist.check("scores are scale * cosine similarity (huge inputs cannot saturate)"):
         for index in (_QK_HUGE, _QK_RECT):
             case, outcome = cases[index], outcomes[index]
             got = returned(outcome, what=case.name)
@@ -280,40 +282,40 @@ def _judge_qk(cases, outcomes):
     return checklist.results
 
 
-def _qk_extra_sqrt_d(q, k, v, temperature):
+def _qk_extra_sqrt_d(q, k, v, scale):
     q, k = _unit(q), _unit(k)
-    return torch.softmax(temperature * (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), dim=-1) @ v
+    return torch.softmax(scale * (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), dim=-1) @ v
 
 
-def _qk_divides(q, k, v, temperature):
+def _qk_divides(q, k, v, scale):
     q, k = _unit(q), _unit(k)
-    return torch.softmax((q @ k.transpose(-2, -1)) / temperature, dim=-1) @ v
+    return torch.softmax((q @ k.transpose(-2, -1)) / scale, dim=-1) @ v
 
 
-def _qk_wrong_axis(q, k, v, temperature):
+def _qk_wrong_axis(q, k, v, scale):
     q, k = F.normalize(q, dim=-2), F.normalize(k, dim=-2)
-    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+    return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
 
 
-def _qk_only_q(q, k, v, temperature):
+def _qk_only_q(q, k, v, scale):
     q = _unit(q)
-    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+    return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
 
 
-def _qk_nan_for_zero(q, k, v, temperature):
+def _qk_nan_for_zero(q, k, v, scale):
     q = q / q.norm(dim=-1, keepdim=True)
     k = k / k.norm(dim=-1, keepdim=True)
-    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+    return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
 
 
-def _qk_not_normalised(q, k, v, temperature):
-    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+def _qk_not_normalised(q, k, v, scale):
+    return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
 
 
-def _qk_normalises_in_place(q, k, v, temperature):
+def _qk_normalises_in_place(q, k, v, scale):
     q /= q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     k /= k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    return torch.softmax(temperature * (q @ k.transpose(-2, -1)), dim=-1) @ v
+    return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
 
 
 QK_NORM_ATTENTION = Task(
@@ -325,7 +327,7 @@ QK_NORM_ATTENTION = Task(
     reference=_qk_reference,
     wrong={
         "scales by 1/sqrt(D) as well": (_qk_extra_sqrt_d, "1/sqrt(D) as well"),
-        "divides by the temperature": (_qk_divides, "divided by the temperature"),
+        "divides by the scale": (_qk_divides, "divided by the scale"),
         "normalises over the sequence axis": (_qk_wrong_axis, "sequence axis"),
         "normalises q only": (_qk_only_q, "but not k"),
         "NaN for a zero vector": (_qk_nan_for_zero, "0 / 0 = NaN"),
