@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..core import Task
-from . import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson11
+from . import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09, lesson10, lesson11
 
 __all__ = ["TASKS", "tasks_for_lesson"]
 
@@ -29,6 +29,11 @@ TASKS: dict[str, Task] = {
         lesson08.ATTENTION_ENTROPY,
         lesson08.QK_NORM_ATTENTION,
         lesson08.FIRST_NONFINITE_MODULE,
+        lesson09.PATCHIFY,
+        lesson09.CLASS_TOKEN_AND_POSITIONS,
+        lesson09.VIT_ATTENTION,
+        lesson10.REL_SHIFT,
+        lesson10.CONV_MODULE,
         lesson11.REPEAT_KV,
         lesson11.DECODE_ATTENTION,
         lesson11.ROTARY,
