@@ -129,8 +129,11 @@ class ConformerConfig:
         Input: ``make_dtmf_split()``'s 24 log-mel bands every 20 ms (51 frames, 11 after
         subsampling). E = 48, 2 blocks of 4 heads, depthwise kernel 15, no dropout (every
         clip is fresh synthetic data): about 0.12 M parameters. Trained with
-        ``attn_course.training.fit(..., **DTMF_TRAINING)`` on 2000 clips it reaches about
-        99% on 500 held-out clips in about 20 s of one CPU core.
+        ``attn_course.training.fit(..., **DTMF_TRAINING)`` on 2000 clips it reached
+        97.8-99.8% on 500 held-out clips (5 seeds) in about 20 s of one CPU core. Without
+        the convolution module it reached 92.4%, without any position information
+        (no relative positions, no convolution) 38.8%: which key came last is a question of
+        order (seed 0, same training).
         """
         return cls(
             n_mels=24,

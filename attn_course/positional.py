@@ -234,7 +234,6 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
         ``(out, weights)`` with weights ``(B, H, L, L)``.
         """
         self._check_inputs(x, x, x)
-        B, L, _ = x.shape
         q = split_heads(self.q_proj(x), self.num_heads)  # (B, H, L, D)
         k = split_heads(self.k_proj(x), self.num_heads)  # (B, H, L, D)
         v = split_heads(self.v_proj(x), self.num_heads)  # (B, H, L, D)

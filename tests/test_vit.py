@@ -279,3 +279,13 @@ def test_probe_fails_for_the_article_attention():
     assert buggy.last_weights.shape == (2, 9, 4, 4)
     # Each output token depends on only H of the N input tokens (a side effect of the reshape).
     assert int((influence > 1e-9).sum(dim=1).max()) <= 4 < 9
+
+
+def test_runs_under_bfloat16_autocast():
+    model = VisionTransformer(SMALL).eval()
+    images = images_for(SMALL, dtype=torch.float32)
+    expected = model(images)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, maps = model(images, return_attention=True)
+    assert torch.isfinite(logits).all() and all(torch.isfinite(m).all() for m in maps)
+    torch.testing.assert_close(logits.float(), expected, atol=0.1, rtol=0.1)
