@@ -168,8 +168,10 @@ class MultiHeadAttention(nn.Module):
                     f"{shape_str(x.shape)}.{hint}"
                 )
         weight = self.q_proj.weight
+        # Under autocast, low-precision activations meet float32 weights by design.
+        autocast = torch.is_autocast_enabled(weight.device.type)
         for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.dtype != weight.dtype:
+            if x.dtype != weight.dtype and not autocast:
                 raise TypeError(
                     f"{name} has dtype {x.dtype} but the module's weights are {weight.dtype}; "
                     f"use x.to({weight.dtype}) or module.to({x.dtype})"

@@ -182,3 +182,15 @@ def test_autocast_cpu_bf16_finite():
         out, weights = mha(x, mask=ac.causal_mask(16), need_weights=True)
         fused = mha(x, is_causal=True)
     assert torch.isfinite(out).all() and torch.isfinite(weights).all() and torch.isfinite(fused).all()
+
+
+def test_autocast_accepts_low_precision_activations():
+    """Inside autocast, bf16 activations (e.g. from an earlier autocast layer) meet fp32 weights."""
+    torch.manual_seed(6)
+    mha = ac.MultiHeadAttention(32, 4)
+    x = torch.randn(2, 8, 32).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype torch.bfloat16 but the module's weights are torch.float32"):
+        mha(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha(x, is_causal=True)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
