@@ -163,7 +163,7 @@ def token_influence(
 
     Read ``token_influence(fn, x) > 1e-6`` as "row i reads from columns j": a causal layer
     gives a lower-triangular matrix, a layer that mixes tokens a full one, and one that mixes
-    nothing across tokens (e.g. heads merged without the transpose) the diagonal.
+    nothing across tokens (e.g. a per-position MLP) the diagonal.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         got = shape_str(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
