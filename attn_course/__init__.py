@@ -13,6 +13,7 @@ from .chunked import (
     partial_attention,
     query_chunked_attention,
 )
+from .conformer import ConformerClassifier, ConformerConfig, ConformerEncoder
 from .device import describe_device, pick_device, seed_everything
 from .diagnostics import (
     AttentionCapture,
@@ -51,12 +52,23 @@ from .masks import (
     to_blocked_mask,
 )
 from .multihead import MultiHeadAttention, merge_heads, split_heads
+from .positional import (
+    LearnedPositionalEmbedding,
+    RelativePositionMultiHeadAttention,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    apply_rotary,
+    sinusoidal_encoding,
+)
 from .sparse import PATTERNS, SparseAttention, pattern_mask, sparse_attention
+from .vit import VisionTransformer, ViTConfig, attention_rollout
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "apply_rotary",
     "attention_entropy",
+    "attention_rollout",
     "attention_stats",
     "AttentionCapture",
     "AttentionRecord",
@@ -65,6 +77,9 @@ __all__ = [
     "chunked_attention",
     "combine_masks",
     "compare_kv_cache_memory",
+    "ConformerClassifier",
+    "ConformerConfig",
+    "ConformerEncoder",
     "decode_step",
     "describe_device",
     "DynamicHeadAttention",
@@ -80,6 +95,7 @@ __all__ = [
     "GroupedQueryAttention",
     "kv_cache_bytes",
     "KVCache",
+    "LearnedPositionalEmbedding",
     "linear_attention",
     "linear_attention_quadratic",
     "linear_attention_step",
@@ -100,14 +116,20 @@ __all__ = [
     "pick_device",
     "query_chunked_attention",
     "RandomFeatureMap",
+    "RelativePositionMultiHeadAttention",
     "relu_feature_map",
     "repeat_kv",
+    "RotaryEmbedding",
     "scaled_dot_product_attention",
     "seed_everything",
+    "sinusoidal_encoding",
+    "SinusoidalPositionalEncoding",
     "sparse_attention",
     "SparseAttention",
     "split_heads",
     "stable_softmax",
     "to_blocked_mask",
     "track_gradient_norms",
+    "VisionTransformer",
+    "ViTConfig",
 ]

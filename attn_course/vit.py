@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_tensor, shape_str
+from .models import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
 from .multihead import MultiHeadAttention
 from .positional import LearnedPositionalEmbedding
 
@@ -337,31 +338,3 @@ def attention_rollout(maps: list[torch.Tensor] | tuple[torch.Tensor, ...], *, re
             joint = joint / joint.sum(dim=-1, keepdim=True)  # (B, N, N), rows sum to 1
         rollout = torch.matmul(joint, rollout)  # (B, N, N)
     return rollout
-
-
-@torch.no_grad()
-def token_influence(
-    mixer: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, *, scale: float = 1.0
-) -> torch.Tensor:
-    """Which output tokens move when one input token moves: ``(N_out, N_in)`` of max absolute changes.
-
-    ``mixer`` maps ``(B, N, E) -> (B, N, E)`` (an attention layer, a block, a stack).
-    For every input token ``j``, adds ``scale`` times a fixed random vector to token ``j``
-    of every batch item and records, for every output token ``i``, the largest absolute
-    change. Self-attention lets every token reach every other, so (almost surely) every
-    entry is positive; a layer that only mixes within a token gives a diagonal-ish matrix.
-    """
-    tokens = check_tensor("tokens", tokens, min_dim=3)
-    if tokens.dim() != 3:
-        raise ValueError(f"tokens must be (B, N, E), got {shape_str(tokens.shape)}")
-    B, N, E = tokens.shape
-    generator = torch.Generator().manual_seed(0)
-    direction = torch.randn(E, generator=generator).to(device=tokens.device, dtype=tokens.dtype) * scale  # (E,)
-    baseline = mixer(tokens)  # (B, N, E)
-    influence = torch.zeros(N, N, dtype=tokens.dtype, device=tokens.device)  # (N_out, N_in)
-    for j in range(N):
-        moved = tokens.clone()
-        moved[:, j] += direction
-        change = (mixer(moved) - baseline).abs()  # (B, N, E)
-        influence[:, j] = change.amax(dim=(0, 2))  # (N,)
-    return influence
