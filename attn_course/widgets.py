@@ -496,8 +496,8 @@ class PatternExplorer(_Explorer):
                    label="causal attention" if is_causal else "dense attention")
         right.set_xlabel("query position")
         right.set_ylabel("keys attended")
-        right.set_ylim(0, length + 0.5)
-        right.legend(loc="upper left", fontsize="small")
+        right.set_ylim(0, 1.15 * length + 0.5)  # headroom, so the dense line is visible
+        right.legend(loc="best", fontsize="small")
         right.set_title(f"{stats['allowed']} of {stats['dense']} pairs")
         fig.suptitle(f"{length} positions: the pattern computes {stats['fraction']:.1%} of "
                      f"{'causal' if is_causal else 'dense'} attention's score pairs")
