@@ -47,6 +47,8 @@ def private_jupyter_env(tmp: Path) -> dict[str, str]:
     for plugin, values in (
         ("@jupyterlab/docmanager-extension/plugin", {"autosave": False}),
         ("@jupyterlab/apputils-extension/notification", {"fetchNews": "false"}),
+        # Render every cell: windowing leaves off-screen cells (and their widgets) out of the DOM.
+        ("@jupyterlab/notebook-extension/tracker", {"windowingMode": "none"}),
     ):
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)

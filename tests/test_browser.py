@@ -89,22 +89,27 @@ def _dismiss_dialogs(page) -> None:
         no_news.first.click()
 
 
-def _running_prompts(page) -> int:
-    return sum(p.strip() == "[*]:" for p in page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts())
+def _kernel_busy(lab) -> bool:
+    return any(k.get("execution_state") != "idle" for k in lab.get_json("api/kernels"))
 
 
-def _run_all(page, timeout_s: float) -> None:
+def _run_all(page, lab, timeout_s: float) -> None:
     page.click("text=Run", timeout=30_000)
     page.click("li.lm-Menu-item[data-command='runmenu:run-all']", timeout=10_000)
-    # Run All marks every queued cell '[*]' at once; the run is over when none is left.
-    page.wait_for_function(
-        "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].some(e => e.innerText.trim() === '[*]:')",
-        timeout=30_000,
-    )
-    deadline = time.time() + timeout_s
-    while _running_prompts(page) and time.time() < deadline:
-        time.sleep(1.0)
-    assert not _running_prompts(page), f"Run All did not finish within {timeout_s:g} s"
+    # The kernel flips to idle for a moment between queued cells: the run is over only when it
+    # has stayed idle for a few seconds.
+    deadline, idle_since = time.time() + timeout_s, None
+    time.sleep(1.0)
+    while time.time() < deadline:
+        if _kernel_busy(lab):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.time()
+        elif time.time() - idle_since > 4.0:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"Run All did not finish within {timeout_s:g} s")
     _wait_idle(page, 30)
 
 
@@ -137,7 +142,7 @@ def test_lesson_widgets_render_and_react(lesson, browser, lab):
         time.sleep(2.0)
         _dismiss_dialogs(page)
         _wait_idle(page, 60)
-        _run_all(page, timeout_s=240)
+        _run_all(page, lab, timeout_s=400)
         page.screenshot(path=str(ARTIFACTS / f"{stem}-after-run-all.png"), full_page=False)
 
         widgets = page.locator(".jp-OutputArea-output .widget-vbox:has(img)")
