@@ -24,10 +24,11 @@ pictures and tests; :func:`sparse_attention` never builds it. The result equals 
 attention with that mask (tests: float64, 1e-10), for every length: the sequence is padded
 up to a multiple of the block, the padded keys are masked, and the output is sliced back.
 
-The source article's ``SparseAttention`` had two bugs fixed here: it never called
+The source article's ``SparseAttention`` had three bugs fixed here: it never called
 ``super().__init__()`` (so ``nn.Module`` was never set up: the object is created, but calling
-it raises ``AttributeError``), and its ``view(batch, heads, seq_len // block_size, block_size,
-dim)`` failed for any length that is not a multiple of the block.
+it raises ``AttributeError``), its ``forward`` used an undefined ``block_size`` (not
+``self.block_size``), and its ``view(batch, heads, seq_len // block_size, block_size, dim)``
+failed for any length that is not a multiple of the block. Lesson 05 reproduces all three.
 
 Shapes: q, k ``(..., L, D)``, v ``(..., L, Dv)`` -> ``(..., L, Dv)``. The optional ``mask``
 is a key-padding mask, bool, True = real token, broadcastable to ``(..., 1, L)`` -- the
