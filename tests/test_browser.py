@@ -101,7 +101,8 @@ def _run_all(page, lab, timeout_s: float) -> None:
     deadline, idle_since = time.time() + timeout_s, None
     time.sleep(1.0)
     while time.time() < deadline:
-        if _kernel_busy(lab):
+        ui_idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+        if _kernel_busy(lab) or not ui_idle:
             idle_since = None
         elif idle_since is None:
             idle_since = time.time()
