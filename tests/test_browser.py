@@ -138,7 +138,8 @@ def test_lesson_widgets_render_and_react(lesson, browser, lab):
     js_errors: list[str] = []
     page.on("pageerror", lambda error: js_errors.append(str(error)))
     try:
-        page.goto(lab.url(f"lab/tree/notebooks/{lesson}"), timeout=60_000)
+        # ?reset: a fresh workspace, so the previous test's notebooks are not reopened beside this one.
+        page.goto(lab.url(f"lab/tree/notebooks/{lesson}?reset"), timeout=60_000)
         page.wait_for_selector(".jp-Notebook", timeout=60_000)
         time.sleep(2.0)
         _dismiss_dialogs(page)
