@@ -87,7 +87,8 @@ def fit(
 ) -> History:
     """Train ``model`` with AdamW (or ``optimizer``) and a cosine schedule; return its ``History``.
 
-    A tqdm bar shows the epoch and the running loss. ``eval_data`` = ``(inputs, targets)`` adds the
+    A tqdm bar shows the epoch and the running loss, and one line at the end sums the run up
+    (``progress=False`` silences both). ``eval_data`` = ``(inputs, targets)`` adds the
     accuracy after every epoch. Shuffling uses its own generator seeded with ``seed``.
     """
     import time
@@ -136,4 +137,9 @@ def fit(
         bar.set_postfix(postfix)
     bar.close()
     history.seconds = time.perf_counter() - start
+    if progress:  # a plain line too: a saved notebook shows it where a widget bar cannot render
+        summary = f"{description}: {epochs} epochs ({total_steps} steps), final training loss {history.train_loss[-1]:.3g}"
+        if history.eval_accuracy:
+            summary += f", eval accuracy {history.eval_accuracy[-1]:.3f}"
+        print(summary)
     return history

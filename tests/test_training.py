@@ -47,3 +47,15 @@ def test_iterate_batches_covers_everything_once():
     assert sorted(seen.tolist()) == list(range(10))
     with pytest.raises(ValueError, match="same length"):
         list(iterate_batches(x, y[:5], batch_size=2))
+
+
+def test_fit_ends_with_a_summary_line_that_a_saved_notebook_can_show(capsys):
+    x, y = _toy_problem()
+    history = fit(_model(), x, y, epochs=2, batch_size=128, eval_data=(x, y), description="toy")
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == (
+        f"toy: 2 epochs (8 steps), final training loss {history.train_loss[-1]:.3g}, "
+        f"eval accuracy {history.eval_accuracy[-1]:.3f}"
+    )
+    fit(_model(), x, y, epochs=1, progress=False)
+    assert capsys.readouterr().out == ""
