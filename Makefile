@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PINNED := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) ATTN_COURSE_THREADS=$(THREADS)
 
-.PHONY: setup lab test regenerate exercises bench clean
+.PHONY: setup lab test regenerate runtimes exercises bench clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ test: $(STAMP)
 
 regenerate: $(STAMP)
 	$(PINNED) $(BIN)/attn-course regenerate
+
+# Times every lesson and solution on this machine; rewrites notebooks/runtimes.json and 00's course map.
+runtimes: $(STAMP)
+	$(PINNED) $(BIN)/attn-course runtimes
 
 exercises: $(STAMP)
 	$(BIN)/attn-course make-exercises

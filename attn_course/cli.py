@@ -88,6 +88,49 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_runtimes(args: argparse.Namespace) -> int:
+    import datetime
+    import os
+    import platform
+
+    import nbformat
+    import torch
+
+    from .course import (
+        COURSE_MAP_HEADING,
+        RUNTIMES_FILE,
+        Runtimes,
+        course_map_markdown,
+        load_runtimes,
+        project_root,
+        save_runtimes,
+    )
+    from .notebooks import measure_runtimes
+
+    root = project_root()
+    paths = _notebook_paths(args.paths)
+    seconds = {}
+    if args.paths and (root / RUNTIMES_FILE).exists():
+        seconds = dict(load_runtimes().seconds)  # measuring a few notebooks keeps the others' figures
+    for path, took in measure_runtimes(paths):
+        key = path.relative_to(root).as_posix()
+        seconds[key] = round(took, 1)
+        print(f"{took:6.1f} s  {key}", flush=True)
+    gpu = f"with a {torch.cuda.get_device_name()} GPU" if torch.cuda.is_available() else "without a GPU"
+    machine = f"a {os.cpu_count()}-core {platform.machine()} CPU {gpu}"
+    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    runtimes = Runtimes(machine=machine, threads=threads, date=datetime.date.today().isoformat(), seconds=seconds)
+    print(f"wrote {save_runtimes(runtimes)}")
+
+    welcome_path = root / "notebooks" / "00_welcome.ipynb"
+    welcome = nbformat.read(welcome_path, as_version=4)
+    cell = next(c for c in welcome.cells if c.cell_type == "markdown" and c.source.startswith(COURSE_MAP_HEADING))
+    cell.source = course_map_markdown(runtimes)
+    welcome_path.write_text(nbformat.writes(welcome) + "\n")
+    print(f"updated the course map in {welcome_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attn-course", description="Tools for the attn-course notebooks.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     regen.add_argument("paths", nargs="*", help="notebooks to execute (default: notebooks/*.ipynb solutions/*.ipynb)")
     regen.set_defaults(func=_cmd_regenerate)
+
+    runtimes = sub.add_parser(
+        "runtimes",
+        help="time notebooks top to bottom (default: all lessons and solutions); "
+        "write notebooks/runtimes.json and 00_welcome's course map",
+    )
+    runtimes.add_argument("paths", nargs="*", help="notebooks to time (default: notebooks/*.ipynb solutions/*.ipynb)")
+    runtimes.set_defaults(func=_cmd_runtimes)
 
     from .grading import batch  # the grader's options live next to the grader
 

@@ -6,6 +6,7 @@ checks every notebook in ``notebooks/``, ``solutions/`` and ``exercises/`` agree
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,14 @@ __all__ = [
     "colab_badge",
     "setup_cell_source",
     "project_root",
+    "Runtimes",
+    "RUNTIMES_FILE",
+    "LESSON_BUDGET_S",
+    "SOLUTION_BUDGET_S",
+    "load_runtimes",
+    "save_runtimes",
+    "course_map_markdown",
+    "COURSE_MAP_HEADING",
 ]
 
 REPO_SLUG = "attn-course/attn-course"
@@ -83,3 +92,73 @@ def setup_cell_source() -> str:
         "\n"
         "    output.enable_custom_widget_manager()"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured runtimes and the course map of 00_welcome
+# ---------------------------------------------------------------------------------------------
+
+RUNTIMES_FILE = "notebooks/runtimes.json"  # relative to the repository root
+LESSON_BUDGET_S = 60.0  # every lesson, top to bottom, on a 2-core CPU
+SOLUTION_BUDGET_S = 30.0  # every solution notebook
+COURSE_MAP_HEADING = "## 5. Course map"
+
+
+@dataclass(frozen=True)
+class Runtimes:
+    """Wall-clock seconds of one top-to-bottom run per notebook, and where they were measured.
+
+    ``seconds`` maps ``"notebooks/NN_slug.ipynb"`` / ``"solutions/NN_slug.ipynb"`` to seconds.
+    Written by ``attn-course runtimes``; never typed in by hand.
+    """
+
+    machine: str
+    threads: int
+    date: str
+    seconds: dict[str, float]
+
+
+def load_runtimes(path: Path | None = None) -> Runtimes:
+    """Read the runtimes file (default: the checkout's ``notebooks/runtimes.json``)."""
+    path = Path(path) if path is not None else project_root() / RUNTIMES_FILE
+    data = json.loads(path.read_text())
+    return Runtimes(machine=data["machine"], threads=data["threads"], date=data["date"], seconds=data["seconds"])
+
+
+def save_runtimes(runtimes: Runtimes, path: Path | None = None) -> Path:
+    """Write ``runtimes`` as JSON (sorted keys, one entry per line) and return the path."""
+    path = Path(path) if path is not None else project_root() / RUNTIMES_FILE
+    data = {"machine": runtimes.machine, "threads": runtimes.threads, "date": runtimes.date, "seconds": runtimes.seconds}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def course_map_markdown(runtimes: Runtimes) -> str:
+    """The course-map cell of ``00_welcome``: every lesson and exercise in order, with measured runtimes."""
+
+    def runtime(key: str) -> str:
+        return f"{runtimes.seconds[key]:.0f} s" if key in runtimes.seconds else "not measured"
+
+    lines = [
+        COURSE_MAP_HEADING,
+        "",
+        "Every lesson in order, with its exercise notebook. A runtime is the wall-clock time of one run",
+        "top to bottom, kernel start included, measured by `attn-course runtimes` (`make runtimes`) on",
+        f"{runtimes.machine}, {runtimes.threads} PyTorch threads, on {runtimes.date}. \"Solved in\" is",
+        "the time of the finished exercise notebook in `solutions/` (an untouched exercise stops at its",
+        "first stub).",
+        "",
+        "| # | lesson | runtime | exercises | solved in |",
+        "|---|---|---|---|---|",
+    ]
+    for lesson in LESSONS:
+        lesson_link = f"[{lesson.title}]({lesson.filename})"
+        if lesson.number == "00":
+            exercise_link, solved = "–", "–"
+        else:
+            exercise_link = f"[{lesson.number} exercises](../exercises/{lesson.filename})"
+            solved = runtime(f"solutions/{lesson.filename}")
+        lines.append(
+            f"| {lesson.number} | {lesson_link} | {runtime(f'notebooks/{lesson.filename}')} | {exercise_link} | {solved} |"
+        )
+    return "\n".join(lines)

@@ -4,8 +4,10 @@
   block becomes a stub that raises ``NotImplementedError``; outputs are cleared.
 * ``regenerate(paths)``: executes notebooks top to bottom in a fresh kernel and stores the
   outputs without timestamps, so the committed files only change when results do.
+* ``measure_runtimes(paths)``: executes them the same way without writing anything, and
+  returns the wall time of each run (kernel start included).
 
-Used by ``attn-course make-exercises`` and ``attn-course regenerate``.
+Used by ``attn-course make-exercises``, ``attn-course regenerate`` and ``attn-course runtimes``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import nbformat
 
 from .course import project_root
 
-__all__ = ["strip_solutions", "make_exercise", "make_exercises", "regenerate", "exercise_is_current"]
+__all__ = [
+    "strip_solutions",
+    "make_exercise",
+    "make_exercises",
+    "regenerate",
+    "measure_runtimes",
+    "exercise_is_current",
+]
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -73,24 +82,34 @@ def make_exercises(root: Path | None = None) -> list[Path]:
     return written
 
 
-def regenerate(paths: list[Path], *, timeout: int = 600) -> list[tuple[Path, float]]:
-    """Execute each notebook in place in a fresh kernel (cwd = its folder); return runtimes in s."""
+def _execute(path: Path, *, timeout: int) -> tuple[nbformat.NotebookNode, float]:
+    """Run one notebook top to bottom in a fresh kernel (cwd = its folder); return it and the wall time in s."""
     from nbclient import NotebookClient
 
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+        record_timing=False,
+        allow_error_names=["NotImplementedError"] if path.parent.name == "exercises" else [],
+    )
+    start = time.perf_counter()
+    client.execute()  # starts the kernel, runs every cell, shuts the kernel down
+    return nb, time.perf_counter() - start
+
+
+def regenerate(paths: list[Path], *, timeout: int = 600) -> list[tuple[Path, float]]:
+    """Execute each notebook in place in a fresh kernel (cwd = its folder); return runtimes in s."""
     results = []
     for path in paths:
-        nb = nbformat.read(path, as_version=4)
-        client = NotebookClient(
-            nb,
-            timeout=timeout,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(path.parent)}},
-            record_timing=False,
-            allow_error_names=["NotImplementedError"] if path.parent.name == "exercises" else [],
-        )
-        start = time.perf_counter()
-        client.execute()
-        seconds = time.perf_counter() - start
+        nb, seconds = _execute(path, timeout=timeout)
         _write(nb, path)
         results.append((path, seconds))
     return results
+
+
+def measure_runtimes(paths: list[Path], *, timeout: int = 600) -> list[tuple[Path, float]]:
+    """Execute each notebook in a fresh kernel without saving it; return the wall time of each run in s."""
+    return [(path, _execute(path, timeout=timeout)[1]) for path in paths]

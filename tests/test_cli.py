@@ -42,3 +42,27 @@ def test_start_command_serves_the_course_on_loopback(tmp_path):
         assert "00_welcome.ipynb" in names, names
         with urllib.request.urlopen(lab.url("lab"), timeout=5) as response:
             assert response.status == 200 and b"JupyterLab" in response.read()
+
+
+def test_runtimes_command_times_a_notebook_and_rewrites_the_course_map(tmp_path, monkeypatch):
+    import shutil
+
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    import attn_course.course as course
+    from attn_course.cli import main
+
+    root = tmp_path / "checkout"
+    (root / "notebooks").mkdir(parents=True)
+    shutil.copy(course.project_root() / "notebooks" / "00_welcome.ipynb", root / "notebooks")
+    timed = root / "notebooks" / "01_scaled_dot_product_attention.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("print(6 * 7)")]), timed)
+    monkeypatch.setattr(course, "project_root", lambda: root)
+
+    assert main(["runtimes", str(timed)]) == 0
+    runtimes = course.load_runtimes(root / "notebooks" / "runtimes.json")
+    assert list(runtimes.seconds) == ["notebooks/01_scaled_dot_product_attention.ipynb"]
+    assert 0 < runtimes.seconds["notebooks/01_scaled_dot_product_attention.ipynb"] < 60
+    cells = nbformat.read(root / "notebooks" / "00_welcome.ipynb", as_version=4).cells
+    assert course.course_map_markdown(runtimes) in [c.source for c in cells]

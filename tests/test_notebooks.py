@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from attn_course.course import LESSONS, colab_badge, setup_cell_source
+from attn_course.course import (
+    COURSE_MAP_HEADING,
+    LESSON_BUDGET_S,
+    LESSONS,
+    RUNTIMES_FILE,
+    SOLUTION_BUDGET_S,
+    Runtimes,
+    colab_badge,
+    course_map_markdown,
+    load_runtimes,
+    setup_cell_source,
+)
 from attn_course.notebooks import BEGIN, END, STUB, exercise_is_current, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,3 +66,68 @@ def test_strip_solutions_keeps_indentation_and_code_around():
     assert strip_solutions(source) == f"def f(x):\n    y = 1\n    {STUB}\n\nprint(f)"
     with pytest.raises(ValueError, match="unbalanced"):
         strip_solutions(f"{BEGIN}\nx = 1")
+
+
+# --- the course map of 00_welcome and the measured runtimes behind it --------------------------
+
+RUNTIMES = ROOT / RUNTIMES_FILE
+MEASURED = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+def _course_map_cell() -> str:
+    cells = nbformat.read(ROOT / "notebooks" / "00_welcome.ipynb", as_version=4).cells
+    maps = [c.source for c in cells if c.cell_type == "markdown" and c.source.startswith(COURSE_MAP_HEADING)]
+    assert len(maps) == 1, f"00_welcome needs exactly one cell starting {COURSE_MAP_HEADING!r}, found {len(maps)}"
+    return maps[0]
+
+
+def test_course_map_is_generated_from_lessons_and_measured_runtimes():
+    assert _course_map_cell() == course_map_markdown(load_runtimes()), (
+        "00_welcome's course map is stale: run `make runtimes`"
+    )
+
+
+def test_course_map_links_every_lesson_and_exercise_in_order_and_the_files_exist():
+    links = re.findall(r"\]\(([^)]+\.ipynb)\)", _course_map_cell())
+    expected = []
+    for lesson in LESSONS:
+        expected.append(lesson.filename)
+        if lesson.number != "00":
+            expected.append(f"../exercises/{lesson.filename}")
+    assert links == expected
+    for link in links:
+        assert (ROOT / "notebooks" / link).resolve().exists(), f"the course map links {link}, which does not exist"
+
+
+def test_every_lesson_and_solution_has_a_measured_runtime():
+    measured = set(load_runtimes().seconds)
+    present = {_rel(p) for p in MEASURED}
+    assert present - measured == set(), f"not timed yet (run `make runtimes`): {sorted(present - measured)}"
+    assert measured - present == set(), f"timed but gone: {sorted(measured - present)}"
+
+
+@pytest.mark.parametrize("path", MEASURED, ids=_rel)
+def test_measured_runtime_is_within_budget(path):
+    seconds = load_runtimes().seconds[_rel(path)]
+    budget = LESSON_BUDGET_S if path.parent.name == "notebooks" else SOLUTION_BUDGET_S
+    assert 0 < seconds <= budget, f"{_rel(path)} took {seconds:.1f} s when last measured; the budget is {budget:.0f} s"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=_rel)
+def test_time_to_run_in_the_header_agrees_with_the_measurement(path):
+    header = nbformat.read(path, as_version=4).cells[0].source
+    stated = re.search(r"\*\*Time to run\*\*: about (\d+) s|\*\*Time to run\*\*: about (a) minute", header)
+    assert stated, f"{_rel(path)}: the header should say '**Time to run**: about N s ...'"
+    claimed = 60.0 if stated.group(2) else float(stated.group(1))
+    seconds = load_runtimes().seconds[_rel(path)]
+    assert abs(claimed - seconds) <= max(10.0, 0.3 * seconds), (
+        f"{_rel(path)} says about {claimed:.0f} s but took {seconds:.1f} s when last measured"
+    )
+
+
+def test_course_map_says_when_a_notebook_was_not_measured():
+    runtimes = Runtimes(machine="a test machine", threads=2, date="2026-01-01", seconds={"notebooks/00_welcome.ipynb": 9.6})
+    table = course_map_markdown(runtimes)
+    assert "| 00 | [Welcome & setup](00_welcome.ipynb) | 10 s | – | – |" in table
+    assert "| 01 | [Scaled dot-product attention](01_scaled_dot_product_attention.ipynb) | not measured |" in table
+    assert "a test machine, 2 PyTorch threads, on 2026-01-01" in table
