@@ -40,6 +40,7 @@ regenerate: $(STAMP)
 # Times every lesson and solution on this machine; rewrites notebooks/runtimes.json and 00's course map.
 runtimes: $(STAMP)
 	$(PINNED) $(BIN)/attn-course runtimes
+	$(PINNED) $(BIN)/attn-course regenerate notebooks/00_welcome.ipynb  # its checked cell reads the new file
 
 exercises: $(STAMP)
 	$(BIN)/attn-course make-exercises

@@ -49,7 +49,8 @@ class _Explorer:
     def __init__(self, controls: Sequence[widgets.Widget], *, save_dir: str | Path = ".") -> None:
         self.save_dir = Path(save_dir)
         self.figure: Figure | None = None
-        self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        # Natural size, shrunk only to fit: a VBox would otherwise stretch the picture to its full width.
+        self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", align_self="flex-start"))
         self.save_button = widgets.Button(description="Save PNG", icon="download", tooltip="write the figure to a PNG file")
         self.status = widgets.Label()
         self.save_button.on_click(lambda _button: self._on_save())
