@@ -369,8 +369,12 @@ def _memory_server() -> None:
     It imports torch once and never runs a torch operation itself, so it can ``fork`` a
     clean child per request (no thread pool to break, no freed memory in the heap); the
     child measures and exits. Without ``fork`` (Windows) it measures in itself, and the
-    parent starts a new server for every request.
+    parent starts a new server for every request. It ends when its stdin closes (the parent
+    exited), so it ignores Ctrl-C: an interrupted or restarted kernel must not print its traceback.
     """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for line in sys.stdin:
         request = json.loads(line)
         if not hasattr(os, "fork"):
