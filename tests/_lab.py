@@ -38,7 +38,9 @@ def free_port() -> int:
 
 
 def private_jupyter_env(tmp: Path) -> dict[str, str]:
-    """Environment that keeps Jupyter, IPython and matplotlib config out of the home directory.
+    """Environment that keeps Jupyter, IPython, matplotlib and anything else out of the home directory.
+
+    HOME itself points into ``tmp``, so even a tool that ignores the variables below writes there.
 
     JupyterLab's user settings turn autosave off (a browser test runs lessons and must never
     write their outputs back into the repository) and skip the news pop-up.
@@ -54,7 +56,9 @@ def private_jupyter_env(tmp: Path) -> dict[str, str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     env = dict(os.environ)
+    (tmp / "home").mkdir(exist_ok=True)
     env.update(
+        HOME=str(tmp / "home"),
         JUPYTERLAB_SETTINGS_DIR=str(settings),
         JUPYTERLAB_WORKSPACES_DIR=str(tmp / "lab-workspaces"),
         JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),

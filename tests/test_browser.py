@@ -54,10 +54,11 @@ def browser(tmp_path_factory):
     if executable is None:
         _missing("Debian's chromium is not installed")
     profile = tmp_path_factory.mktemp("chromium-profile")
+    home = tmp_path_factory.mktemp("chromium-home")  # Chromium's ~/.pki, ~/.cache land here
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
             str(profile), executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1400, "height": 1000},
+            viewport={"width": 1400, "height": 1000}, env={**os.environ, "HOME": str(home)},
         )
         yield context
         context.close()
@@ -69,6 +70,34 @@ def lab(tmp_path_factory):
         _missing("the README's set-up (.venv) has not run")
     with running_lab(tmp_path_factory.mktemp("lab")) as server:
         yield server
+
+
+# Where JupyterLab, IPython, matplotlib and Chromium would write in a home directory.
+HOME_PLACES = (
+    ".jupyter", ".local/share/jupyter", ".ipython", ".config/matplotlib", ".cache/matplotlib",
+    ".config/chromium", ".cache/chromium", ".pki",
+)
+
+
+def _home_signature() -> dict[str, tuple[int, int]]:
+    """For each place under HOME that exists: (number of files, newest mtime in ns)."""
+    signature = {}
+    for place in HOME_PLACES:
+        root = Path.home() / place
+        if root.exists():
+            stats = [p.lstat() for p in [root, *root.rglob("*")]]
+            signature[place] = (len(stats), max(s.st_mtime_ns for s in stats))
+    return signature
+
+
+@pytest.fixture(scope="module", autouse=True)
+def home_untouched():
+    """The browser tests must leave the home directory as they found it."""
+    before = _home_signature()
+    yield
+    after = _home_signature()
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, f"the browser tests wrote into the home directory: {[str(Path.home() / c) for c in changed]}"
 
 
 def test_some_lessons_have_widgets():
