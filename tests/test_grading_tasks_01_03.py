@@ -1,9 +1,9 @@
-"""The lesson 01-03 tasks: fair to other correct solutions, stable through the batch grader's path.
+"""The lesson 01-03 tasks: fair to other correct solutions.
 
-``test_grading_catalogue.py`` proves every catalogued bug is rejected. These tests prove the
-other side: correct code written differently from the reference still scores full marks, and
-a verdict does not change when the outcomes travel through ``Outcome.to_plain`` /
-``from_plain`` (what the batch grader does between the child process and the judge).
+``test_grading_catalogue.py`` proves, for every task, that each catalogued bug is rejected and
+that the judges survive the batch grader's round trip, odd return values and errors. These
+tests prove the other side: correct code written differently from the reference still scores
+full marks, and a garbage return value fails with a message.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attn_course.grading import TASKS, Outcome, grade_function, run_cases
+from attn_course.grading import TASKS, grade_function
 
 OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"01", "02", "03"}]
 
@@ -94,59 +94,6 @@ def test_every_task_of_lessons_01_to_03_has_alternatives():
 def test_other_correct_solutions_score_full_marks(task_id, index):
     result = grade_function(TASKS[task_id], ALTERNATIVES[task_id][index])
     assert result.score == result.max_score, result.report()
-
-
-def _all_functions(task_id):
-    task = TASKS[task_id]
-    return [("reference", task.reference)] + [(name, fn) for name, (fn, _) in task.wrong.items()]
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_verdicts_survive_the_batch_graders_round_trip(task_id):
-    task = TASKS[task_id]
-    for name, fn in _all_functions(task_id):
-        cases = task.make_cases()
-        outcomes = run_cases(fn, cases)
-        direct = task.judge(cases, outcomes)
-        plain = [Outcome.from_plain(o.to_plain()) for o in outcomes]
-        again = task.judge(task.make_cases(), plain)
-        assert [(c.name, c.passed, c.message) for c in direct] == [(c.name, c.passed, c.message) for c in again], name
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_judges_never_crash_on_the_catalogue(task_id):
-    for name, fn in _all_functions(task_id):
-        result = grade_function(TASKS[task_id], fn)
-        crashed = [c.message for c in result.checks if c.message.startswith("could not check your result")]
-        assert not crashed, f"{name}: {crashed}"
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_cases_are_deterministic(task_id):
-    first, second = TASKS[task_id].make_cases(), TASKS[task_id].make_cases()
-    assert [c.name for c in first] == [c.name for c in second]
-    for a, b in zip(first, second):
-        for x, y in zip(a.args, b.args):
-            assert type(x) is type(y)
-            if isinstance(x, torch.Tensor):
-                assert torch.equal(x, y) and x.dtype == y.dtype
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_an_error_in_one_case_costs_only_that_cases_checks(task_id):
-    """A function that raises on float16 (the -1e9 classic) or on one case keeps the checks it earns elsewhere."""
-    task = TASKS[task_id]
-    cases = task.make_cases()
-    names = [c.name for c in cases]
-
-    def raises_on_last_case(*args):
-        if repr(args) == repr(cases[-1].args):
-            raise RuntimeError("boom")
-        return task.reference(*args)
-
-    result = grade_function(task, raises_on_last_case)
-    assert 0 < result.score < result.max_score, result.report()
-    assert "boom" in result.feedback and names[-1] in result.feedback
 
 
 def test_a_function_returning_garbage_fails_with_a_message():

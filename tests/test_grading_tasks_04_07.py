@@ -1,11 +1,10 @@
-"""The lesson 04-07 tasks: fair to other correct solutions, stable through the batch grader's path.
+"""The lesson 04-07 tasks: fair to other correct solutions.
 
-``test_grading_catalogue.py`` proves every catalogued bug is rejected with its hint. These tests
-prove the other side: correct code written differently from the reference scores full marks;
-a verdict does not change when outcomes travel through ``Outcome.to_plain`` / ``from_plain``
-(what the batch grader does); the judges never crash on the catalogue or on odd return values;
-cases are deterministic and building them leaves the caller's random state alone; and a
-diagnosis is never offered for a "bug" that gives the right answer on that case.
+``test_grading_catalogue.py`` proves, for every task, that each catalogued bug is rejected and
+that the judges survive the batch grader's round trip, odd return values and errors. These
+tests prove the other side: correct code written differently from the reference scores full
+marks; number tasks reject garbage; FLOP cases are counted by PyTorch; and a diagnosis is never
+offered for a "bug" that gives the right answer on that case.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_course.grading import TASKS, Outcome, grade_function, run_cases
+from attn_course.grading import TASKS, grade_function
 from attn_course.grading.tasks._variants import distinct_match
 
 OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"04", "05", "06", "07"}]
@@ -205,86 +204,6 @@ def test_other_correct_solutions_score_full_marks(task_id, index):
 
 
 # --- robustness ----------------------------------------------------------------------------
-
-
-def _all_functions(task_id):
-    task = TASKS[task_id]
-    return [("reference", task.reference)] + [(name, fn) for name, (fn, _) in task.wrong.items()]
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_verdicts_survive_the_batch_graders_round_trip(task_id):
-    task = TASKS[task_id]
-    for name, fn in _all_functions(task_id):
-        cases = task.make_cases()
-        outcomes = run_cases(fn, cases)
-        direct = task.judge(cases, outcomes)
-        plain = [Outcome.from_plain(o.to_plain()) for o in outcomes]
-        again = task.judge(task.make_cases(), plain)
-        assert [(c.name, c.passed, c.message) for c in direct] == [(c.name, c.passed, c.message) for c in again], name
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_judges_never_crash_on_the_catalogue(task_id):
-    for name, fn in _all_functions(task_id):
-        result = grade_function(TASKS[task_id], fn)
-        crashed = [c.message for c in result.checks if c.message.startswith("could not check your result")]
-        assert not crashed, f"{name}: {crashed}"
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_judges_survive_odd_return_values(task_id):
-    for odd in (None, "text", 3, [1, 2], torch.zeros(0), (torch.zeros(2), torch.zeros(2)), float("nan")):
-        result = grade_function(TASKS[task_id], lambda *args, odd=odd: odd)
-        crashed = [c.message for c in result.checks if c.message.startswith("could not check your result")]
-        assert not crashed, f"{odd!r}: {crashed}"
-        assert result.score < result.max_score
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_an_error_in_one_case_costs_only_that_cases_checks(task_id):
-    task = TASKS[task_id]
-    cases = task.make_cases()
-    last = cases[-1]
-
-    def raises_on_last_case(*args):
-        if len(args) == len(last.args) and all(
-            (torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-             else a is b if callable(a) else a == b if not isinstance(a, (torch.Tensor, tuple)) else repr(a) == repr(b))
-            for a, b in zip(args, last.args)
-        ):
-            raise RuntimeError("boom")
-        return task.reference(*args)
-
-    result = grade_function(task, raises_on_last_case)
-    assert 0 < result.score < result.max_score, result.report()
-    assert "boom" in result.feedback and last.name in result.feedback
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_cases_are_deterministic_and_leave_the_global_rng_alone(task_id):
-    torch.manual_seed(123)
-    expected_next = torch.rand(3)
-    torch.manual_seed(123)
-    first = TASKS[task_id].make_cases()
-    assert torch.equal(torch.rand(3), expected_next), "building the cases changed the caller's random state"
-    second = TASKS[task_id].make_cases()
-    assert [c.name for c in first] == [c.name for c in second]
-
-    def flat(args):
-        for x in args:
-            if isinstance(x, (tuple, list)):
-                yield from flat(x)
-            else:
-                yield x
-
-    for a, b in zip(first, second):
-        for x, y in zip(flat(a.args), flat(b.args)):
-            assert type(x) is type(y)
-            if isinstance(x, torch.Tensor):
-                assert torch.equal(x, y) and x.dtype == y.dtype and x.requires_grad == y.requires_grad
-            else:
-                assert x == y or x is y
 
 
 def test_number_tasks_reject_garbage_with_a_message():

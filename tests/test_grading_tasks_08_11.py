@@ -1,10 +1,9 @@
-"""The lesson 08 and 11 tasks: fair to other correct solutions, stable through the batch grader's path.
+"""The lesson 08 and 11 tasks: fair to other correct solutions.
 
-``test_grading_catalogue.py`` proves every catalogued bug is rejected with its hint. These tests
-prove the other side: correct code written differently from the reference scores full marks;
-a verdict does not change when outcomes travel through ``Outcome.to_plain`` / ``from_plain``
-(what the batch grader does); the judges never crash on the catalogue; cases are deterministic
-and building them leaves the caller's random state alone.
+``test_grading_catalogue.py`` proves, for every task, that each catalogued bug is rejected and
+that the judges survive the batch grader's round trip, odd return values and errors. These
+tests prove the other side: correct code written differently from the reference scores full
+marks, and the NaN-hunting cases really hold their bugs.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_course.grading import TASKS, Outcome, grade_function, run_cases
+from attn_course.grading import TASKS, grade_function
 
 OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"08", "11"}]
 
@@ -146,58 +145,6 @@ def test_every_task_of_lessons_08_and_11_has_alternatives():
 def test_other_correct_solutions_score_full_marks(task_id, index):
     result = grade_function(TASKS[task_id], ALTERNATIVES[task_id][index])
     assert result.score == result.max_score, result.report()
-
-
-def _all_functions(task_id):
-    task = TASKS[task_id]
-    return [("reference", task.reference)] + [(name, fn) for name, (fn, _) in task.wrong.items()]
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_verdicts_survive_the_batch_graders_round_trip(task_id):
-    task = TASKS[task_id]
-    for name, fn in _all_functions(task_id):
-        cases = task.make_cases()
-        outcomes = run_cases(fn, cases)
-        direct = task.judge(cases, outcomes)
-        plain = [Outcome.from_plain(o.to_plain()) for o in outcomes]
-        again = task.judge(task.make_cases(), plain)
-        assert [(c.name, c.passed, c.message) for c in direct] == [(c.name, c.passed, c.message) for c in again], name
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_judges_never_crash_on_the_catalogue(task_id):
-    for name, fn in _all_functions(task_id):
-        result = grade_function(TASKS[task_id], fn)
-        crashed = [c.message for c in result.checks if c.message.startswith("could not check your result")]
-        assert not crashed, f"{name}: {crashed}"
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_judges_survive_odd_return_values(task_id):
-    for odd in (None, "text", 3, [1, 2], torch.zeros(0)):
-        result = grade_function(TASKS[task_id], lambda *args, odd=odd: odd)
-        crashed = [c.message for c in result.checks if c.message.startswith("could not check your result")]
-        assert not crashed, f"{odd!r}: {crashed}"
-        assert result.score < result.max_score
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_cases_are_deterministic_and_leave_the_global_rng_alone(task_id):
-    torch.manual_seed(123)
-    expected_next = torch.rand(3)
-    torch.manual_seed(123)
-    first = TASKS[task_id].make_cases()
-    assert torch.equal(torch.rand(3), expected_next), "building the cases changed the caller's random state"
-    second = TASKS[task_id].make_cases()
-    assert [c.name for c in first] == [c.name for c in second]
-    for a, b in zip(first, second):
-        for x, y in zip(a.args, b.args):
-            assert type(x) is type(y)
-            if isinstance(x, torch.Tensor):
-                assert torch.equal(x, y)
-            elif isinstance(x, torch.nn.Module):
-                assert all(torch.equal(p, q) for p, q in zip(x.state_dict().values(), y.state_dict().values()))
 
 
 def test_first_nonfinite_cases_really_hold_their_bugs():

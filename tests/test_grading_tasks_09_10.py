@@ -1,8 +1,9 @@
-"""The lesson 09-10 tasks: fair to other correct solutions, stable through the batch grader's path.
+"""The lesson 09-10 tasks: fair to other correct solutions.
 
-``test_grading_catalogue.py`` proves every catalogued bug is rejected; these tests prove that
-correct code written differently from the reference scores full marks, that a verdict survives
-``Outcome.to_plain`` / ``from_plain``, and that the graded behaviour is the library's.
+``test_grading_catalogue.py`` proves, for every task, that each catalogued bug is rejected and
+that the judges survive the batch grader's round trip, odd return values and errors. These
+tests prove that correct code written differently from the reference scores full marks, and
+that the graded behaviour is the library's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_course.conformer import ConvolutionModule
-from attn_course.grading import TASKS, Outcome, grade_function, run_cases
+from attn_course.grading import TASKS, grade_function
 from attn_course.positional import rel_shift
 
 OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"09", "10"}]
@@ -117,27 +118,6 @@ OTHER_CORRECT = [
 def test_other_correct_solutions_score_full_marks(task_id, fn):
     result = grade_function(TASKS[task_id], fn)
     assert result.score == result.max_score, result.report()
-
-
-@pytest.mark.parametrize("task_id", OURS)
-def test_verdicts_survive_the_batch_graders_round_trip(task_id):
-    task = TASKS[task_id]
-    cases = task.make_cases()
-    for fn in [task.reference, *(f for f, _ in task.wrong.values())]:
-        outcomes = run_cases(fn, cases)
-        direct = task.judge(cases, outcomes)
-        travelled = task.judge(cases, [Outcome.from_plain(o.to_plain()) for o in outcomes])
-        assert [(c.name, c.passed) for c in direct] == [(c.name, c.passed) for c in travelled]
-
-
-def test_cases_are_deterministic():
-    for task_id in OURS:
-        first, second = TASKS[task_id].make_cases(), TASKS[task_id].make_cases()
-        for a, b in zip(first, second):
-            assert a.name == b.name
-            for x, y in zip(a.args, b.args):
-                if isinstance(x, torch.Tensor):
-                    assert torch.equal(x, y)
 
 
 def test_conv_module_grading_ignores_padded_frames_but_not_leaks():

@@ -213,6 +213,9 @@ def grade_function(task: Task, fn: Callable) -> TaskResult:
     if not callable(fn):
         checks = [CheckResult("definition", False, f"expected a function, got {type(fn).__name__}")]
         return TaskResult(task.id, task.title, checks)
-    cases = task.make_cases()
-    outcomes = run_cases(fn, cases, timeout_s=task.timeout_s)
-    return TaskResult(task.id, task.title, task.judge(cases, outcomes))
+    # Grading draws random numbers (module inits, dropout in the learner's code): a `check(...)` in
+    # the middle of a notebook must leave the learner's random state as it found it.
+    with torch.random.fork_rng(devices=[]):
+        cases = task.make_cases()
+        outcomes = run_cases(fn, cases, timeout_s=task.timeout_s)
+        return TaskResult(task.id, task.title, task.judge(cases, outcomes))

@@ -159,8 +159,8 @@ def _conv_cases() -> list[Case]:
         x = torch.randn(B, T, E, generator=gen, dtype=torch.float64)
         keep = padding_mask(torch.tensor(lengths), T)  # (B, T)
         x = torch.where(keep[:, :, None], x, 50.0 * torch.randn(B, T, E, generator=gen, dtype=torch.float64))
-        module = ConvolutionModule(E, kernel_size=K, dropout=0.0, dtype=torch.float64)
-        state = module.state_dict()
+        with torch.random.fork_rng(devices=[]):  # the module's init must not move the learner's random state
+            state = ConvolutionModule(E, kernel_size=K, dropout=0.0, dtype=torch.float64).state_dict()
         weights = {}
         for name in _WEIGHT_NAMES:
             value = torch.randn(state[name].shape, generator=gen, dtype=torch.float64) * 0.5
