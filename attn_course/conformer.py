@@ -126,7 +126,7 @@ class ConformerConfig:
     def dtmf(cls) -> ConformerConfig:
         """The lesson-10 model for the DTMF "last key" task of ``attn_course.data.audio``.
 
-        Input: ``make_dtmf_split()``'s 24 log-mel bands every 20 ms (51 frames, 11 after
+        Input: ``make_dtmf_split()``'s 24 log-mel bands every 20 ms (51 frames, 12 after
         subsampling). E = 48, 2 blocks of 4 heads, depthwise kernel 15, no dropout (every
         clip is fresh synthetic data): about 0.12 M parameters. Trained with
         ``attn_course.training.fit(..., **DTMF_TRAINING)`` on 2000 clips it reached

@@ -16,8 +16,8 @@ turns waveforms into log-mel frames with ``torch.stft`` and a mel filterbank bui
 (:func:`mel_filterbank`, HTK's mel scale) -- no torchaudio, no download.
 
 The lesson-10 task (:func:`make_dtmf_dataset`): each one-second clip holds 2-4 key presses
-of the 12 keys ``1-9 * 0 #``; the label is the key pressed **last**. Which keys sound is
-visible in any single frame; which one came last is a question of order, so the model
+of the 12 keys ``1-9 * 0 #``; the label is the key pressed **last**. Which key is sounding
+at a given moment shows in a single frame; which one came last is a question of order, so the model
 needs position information (relative positions in attention, or the convolution module).
 
 Taught in lesson 10 (Conformer).
