@@ -11,7 +11,10 @@ The bracketed sums ``S = sum_j phi(k_j) v_j^T`` ``(M, Dv)`` and ``z = sum_j phi(
 do not depend on ``i``: computing them first (associativity of the matrix product) costs
 ``O(N M Dv)`` instead of ``O(N^2)``.
 
-* Non-causal: one ``S`` and one ``z`` for the whole sequence.
+* Non-causal: one ``S`` and one ``z`` for the whole sequence, summed over chunks of keys, then
+  applied to chunks of queries. The chunks change no maths; they keep every temporary small
+  (``O(chunk M)``), which on a CPU also keeps long sequences from paying a page fault per byte
+  for each fresh 32 MB temporary (measured: twice as fast at N = 16384, ``attn-course bench attention``).
 * Causal: query ``t`` uses the prefix sums ``S_t = sum_{j<=t} phi(k_j) v_j^T`` and
   ``z_t``, computed with ``cumsum`` (in chunks of ``chunk_size`` positions so memory stays
   ``O(chunk M Dv)``, carrying the running sums from chunk to chunk).
@@ -138,6 +141,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _feature(feature_map: FeatureMap, x: torch.Tensor) -> torch.Tensor:
+    """``phi(x)`` ``(..., N, M)`` for ``x`` ``(..., N, D)``, checked."""
+    phi = feature_map(x)
+    if not isinstance(phi, torch.Tensor):
+        raise TypeError("feature_map must return tensors")
+    if phi.dim() != x.dim() or phi.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"feature_map must map (..., N, D) to (..., N, M), got {shape_str(x.shape)} -> {shape_str(phi.shape)}")
+    return phi
+
+
 def _features(feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``phi(q)`` ``(..., L, M)`` and ``phi(k)`` ``(..., S, M)``, checked for matching shapes."""
     phi_q, phi_k = feature_map(q), feature_map(k)
@@ -187,7 +200,7 @@ def linear_attention(
     feature_map: str | FeatureMap = "elu",
     is_causal: bool = False,
     eps: float = 1e-6,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Linear attention in ``O(N)``: non-causal by reassociation, causal by prefix sums.
 
@@ -197,26 +210,46 @@ def linear_attention(
         feature_map: ``"elu"``, ``"relu"`` or a callable ``(..., N, D) -> (..., N, M)``.
         is_causal: query ``t`` attends to keys ``0..t`` (needs ``L == S``).
         eps: added to the denominator (see the module docstring).
-        chunk_size: positions per ``cumsum`` in the causal form (memory ``chunk * M * Dv``).
+        chunk_size: positions per chunk. Causal form: per ``cumsum`` (memory ``chunk * M * Dv``;
+            default 128). Non-causal form: keys and queries per pass (default 512).
     """
     L, S, mask = _prepare(q, k, v, mask, is_causal=is_causal)
     feature_map = _resolve_feature_map(feature_map)
     eps = _check_eps(eps)
+    if chunk_size is None:
+        chunk_size = 128 if is_causal else 512
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    compute = _compute_dtype(q.dtype)
+    out_dtype, compute = q.dtype, _compute_dtype(q.dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        phi_q, phi_k = _features(feature_map, q.to(compute), k.to(compute))  # (..., L, M), (..., S, M)
-        phi_k = _masked_key_features(phi_k, mask)  # (..., S, M)
-        v = v.to(compute)
-        if not is_causal:
-            kv = torch.matmul(phi_k.transpose(-2, -1), v)  # (..., M, Dv), S = sum_j phi(k_j) v_j^T
-            z = phi_k.sum(dim=-2, keepdim=True)  # (..., 1, M), z = sum_j phi(k_j)
-            numerator = torch.matmul(phi_q, kv)  # (..., L, Dv)
-            denominator = torch.matmul(phi_q, z.transpose(-2, -1))  # (..., L, 1)
-            out = numerator / (denominator + eps)  # (..., L, Dv)
-        else:
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
+        if is_causal:
+            phi_q, phi_k = _features(feature_map, q, k)  # (..., L, M), (..., S, M)
+            phi_k = _masked_key_features(phi_k, mask)  # (..., S, M)
             out = _causal_prefix_sums(phi_q, phi_k, v, eps=eps, chunk_size=chunk_size)
-    return out.to(q.dtype)
+        else:
+            out = _noncausal_sums(feature_map, q, k, v, mask, eps=eps, chunk_size=chunk_size)
+    return out.to(out_dtype)
+
+
+def _noncausal_sums(feature_map, q, k, v, mask, *, eps, chunk_size):
+    """``out_i = phi(q_i)^T S / (phi(q_i)^T z + eps)``, with ``S`` and ``z`` summed over key chunks."""
+    kv, z = 0.0, 0.0
+    for start in range(0, k.shape[-2], chunk_size):
+        keys = slice(start, start + chunk_size)
+        phi_k = _feature(feature_map, k[..., keys, :])  # (..., C, M)
+        phi_k = _masked_key_features(phi_k, None if mask is None else mask[..., keys])  # (..., C, M)
+        kv = kv + torch.matmul(phi_k.transpose(-2, -1), v[..., keys, :])  # (..., M, Dv), S = sum_j phi(k_j) v_j^T
+        z = z + phi_k.sum(dim=-2, keepdim=True)  # (..., 1, M), z = sum_j phi(k_j)
+    outputs = []
+    for start in range(0, q.shape[-2], chunk_size):
+        phi_q = _feature(feature_map, q[..., start : start + chunk_size, :])  # (..., C, M)
+        if phi_q.shape[-1] != kv.shape[-2]:
+            raise ValueError(f"feature_map must map (..., N, D) to (..., N, M) with one M, got M = {phi_q.shape[-1]} "
+                             f"for queries and {kv.shape[-2]} for keys")
+        numerator = torch.matmul(phi_q, kv)  # (..., C, Dv)
+        denominator = torch.matmul(phi_q, z.transpose(-2, -1))  # (..., C, 1)
+        outputs.append(numerator / (denominator + eps))  # (..., C, Dv)
+    return torch.cat(outputs, dim=-2)  # (..., L, Dv)
 
 
 def _causal_prefix_sums(phi_q, phi_k, v, *, eps, chunk_size):

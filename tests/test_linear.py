@@ -52,13 +52,14 @@ def run_recurrent(q, k, v, feature_map, eps=1e-6):
     return torch.stack(outputs, dim=-2), state
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1, 5], ids=["one-chunk", "chunk1", "chunk5"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["nomask", "padding"])
 @pytest.mark.parametrize("name", FEATURE_MAPS)
-def test_non_causal_equals_quadratic_form(gen, name, with_mask):
+def test_non_causal_equals_quadratic_form(gen, name, with_mask, chunk_size):
     q, k, v = qkv(gen, 17, 23, grad=True)
     mask = ac.padding_mask([23, 9])[:, None, None, :] if with_mask else None  # (B, 1, 1, S)
     fmap = FEATURE_MAPS[name]
-    got = linear_attention(q, k, v, mask, feature_map=fmap)
+    got = linear_attention(q, k, v, mask, feature_map=fmap, chunk_size=chunk_size)
     expected = linear_attention_quadratic(q, k, v, mask, feature_map=fmap)
     torch.testing.assert_close(got, expected, **F64)
     grads = torch.autograd.grad(got.sum(), (q, k, v))
