@@ -3,7 +3,9 @@
 * ``make_exercise(solution)``: every code cell's ``### BEGIN SOLUTION`` ... ``### END SOLUTION``
   block becomes a stub that raises ``NotImplementedError``; outputs are cleared.
 * ``regenerate(paths)``: executes notebooks top to bottom in a fresh kernel and stores the
-  outputs without timestamps, so the committed files only change when results do.
+  outputs without timestamps, so the committed files only change when results do. A tqdm
+  bar's stored text is its final state (``100%|██████████| 6/6 ...``), not the ``0%`` it showed
+  when it was created, so the notebook reads right where widgets do not render (GitHub).
 * ``measure_runtimes(paths)``: executes them the same way without writing anything, and
   returns the wall time of each run (kernel start included).
 
@@ -13,6 +15,7 @@ Used by ``attn-course make-exercises``, ``attn-course regenerate`` and ``attn-co
 from __future__ import annotations
 
 import copy
+import html
 import re
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ __all__ = [
     "make_exercises",
     "regenerate",
     "measure_runtimes",
+    "final_progress_text",
     "exercise_is_current",
 ]
 
@@ -100,11 +104,42 @@ def _execute(path: Path, *, timeout: int) -> tuple[nbformat.NotebookNode, float]
     return nb, time.perf_counter() - start
 
 
+_PROGRESS_TEXT = re.compile(r"\d+%\|[█▏▎▍▌▋▊▉ ]*\|")  # tqdm's "37%|███▋      |"
+_PROGRESS_PARTS = ["HTMLModel", "FloatProgressModel", "HTMLModel"]  # tqdm's widget: label, bar, counts
+
+
+def final_progress_text(nb: nbformat.NotebookNode) -> int:
+    """Set the text of every tqdm widget output to the bar's final state; return how many changed.
+
+    A widget output stores its text form from the moment it was displayed (``0%``); the final
+    values live in the notebook's saved widget state, which is where this reads them.
+    """
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    changed = 0
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            view = data.get("application/vnd.jupyter.widget-view+json")
+            if view is None or not _PROGRESS_TEXT.search(data.get("text/plain", "")):
+                continue
+            box = state.get(view["model_id"], {}).get("state", {})
+            parts = [state.get(child.removeprefix("IPY_MODEL_"), {}) for child in box.get("children", [])]
+            if [part.get("model_name") for part in parts] != _PROGRESS_PARTS:
+                continue
+            label, bar, counts = (part["state"] for part in parts)
+            filled = round(10 * bar["value"] / bar["max"]) if bar.get("max") else 0
+            text = f"{label['value']}|{'█' * filled}{' ' * (10 - filled)}|{counts['value']}"
+            data["text/plain"] = html.unescape(text).replace("\u2007", " ")  # tqdm pads with figure spaces
+            changed += 1
+    return changed
+
+
 def regenerate(paths: list[Path], *, timeout: int = 600) -> list[tuple[Path, float]]:
     """Execute each notebook in place in a fresh kernel (cwd = its folder); return runtimes in s."""
     results = []
     for path in paths:
         nb, seconds = _execute(path, timeout=timeout)
+        final_progress_text(nb)
         _write(nb, path)
         results.append((path, seconds))
     return results

@@ -20,7 +20,7 @@ from attn_course.course import (
     load_runtimes,
     setup_cell_source,
 )
-from attn_course.notebooks import BEGIN, END, STUB, exercise_is_current, strip_solutions
+from attn_course.notebooks import BEGIN, END, STUB, exercise_is_current, final_progress_text, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("notebooks", "solutions", "exercises")
@@ -131,3 +131,53 @@ def test_course_map_says_when_a_notebook_was_not_measured():
     assert "| 00 | [Welcome & setup](00_welcome.ipynb) | 10 s | – | – |" in table
     assert "| 01 | [Scaled dot-product attention](01_scaled_dot_product_attention.ipynb) | not measured |" in table
     assert "a test machine, 2 PyTorch threads, on 2026-01-01" in table
+
+
+# --- tqdm bars: stored as their final state, compared by nbval as "a bar" -----------------------
+
+
+def _progress_notebook(value: float, total: float) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    widget = {"model_id": "box", "version_major": 2, "version_minor": 0}
+    bar_text = "training:   0%|          | 0/6 [00:00<?, ?it/s]"
+    other = {"model_id": "slider", "version_major": 2, "version_minor": 0}
+    nb.cells = [nbformat.v4.new_code_cell("fit(...)", outputs=[
+        nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": widget, "text/plain": bar_text}),
+        nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": other, "text/plain": "IntSlider(value=3)"}),
+    ])]
+    state = {
+        "box": {"model_name": "HBoxModel", "state": {"children": ["IPY_MODEL_a", "IPY_MODEL_b", "IPY_MODEL_c"]}},
+        "a": {"model_name": "HTMLModel", "state": {"value": "training:\u2007100%"}},
+        "b": {"model_name": "FloatProgressModel", "state": {"value": value, "max": total}},
+        "c": {"model_name": "HTMLModel", "state": {"value": "\u20076/6\u2007[00:26&lt;00:00,\u2007\u20074.25s/it]"}},
+        "slider": {"model_name": "IntSliderModel", "state": {"value": 3}},
+    }
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": state, "version_major": 2, "version_minor": 0}}
+    return nb
+
+
+def test_stored_progress_bars_show_their_final_state():
+    nb = _progress_notebook(6.0, 6.0)
+    assert final_progress_text(nb) == 1
+    bar, slider = nb.cells[0].outputs
+    assert bar.data["text/plain"] == "training: 100%|██████████| 6/6 [00:26<00:00,  4.25s/it]"
+    assert slider.data["text/plain"] == "IntSlider(value=3)", "other widgets keep their text"
+    half = _progress_notebook(3.0, 6.0)
+    final_progress_text(half)
+    assert "|█████     |" in half.cells[0].outputs[0].data["text/plain"]
+
+
+def test_nbval_sanitizer_reads_a_bar_at_0_and_at_100_percent_alike():
+    from nbval.plugin import get_sanitize_patterns  # how nbval itself reads the file
+
+    rules = get_sanitize_patterns((ROOT / "tests" / "nbval_sanitize.cfg").read_text())
+
+    def sanitize(text: str) -> str:
+        for pattern, replacement in rules:
+            text = re.sub(pattern, replacement, text)
+        return text
+
+    start = "training:   0%|          | 0/6 [00:00<?, ?it/s]"
+    end = "training: 100%|██████████| 6/6 [00:26<00:00,  4.25s/it]"
+    assert sanitize(start) == sanitize(end) == "training:PROGRESS"
+    assert sanitize("max |diff| < 1e-6: True") == "max |diff| < 1e-6: True", "ordinary output keeps its text"
