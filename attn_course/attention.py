@@ -42,9 +42,10 @@ def stable_softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     are all ``-inf`` (nothing to attend to) has no finite maximum; we subtract 0 there, so
     every ``exp`` is 0 and the row of weights is 0.
     """
-    row_max = scores.amax(dim=dim, keepdim=True)
-    # Softmax does not depend on the shift, so the max needs no gradient.
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    # Softmax does not depend on the shift, so the max needs no gradient (and no autograd node:
+    # detaching first means nothing is saved for a backward pass that would never use it).
+    row_max = scores.detach().amax(dim=dim, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exps = torch.exp(scores - row_max)
     total = exps.sum(dim=dim, keepdim=True)
     # total is >= 1 in any row with an allowed key; 0 only in empty rows, where exps is 0 too.
