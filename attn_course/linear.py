@@ -151,16 +151,15 @@ def _feature(feature_map: FeatureMap, x: torch.Tensor) -> torch.Tensor:
     return phi
 
 
+def _check_feature_sizes(m_q: int, m_k: int) -> None:
+    if m_q != m_k:
+        raise ValueError(f"feature_map must map (..., N, D) to (..., N, M) with one M, got M = {m_q} for queries and {m_k} for keys")
+
+
 def _features(feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``phi(q)`` ``(..., L, M)`` and ``phi(k)`` ``(..., S, M)``, checked for matching shapes."""
-    phi_q, phi_k = feature_map(q), feature_map(k)
-    if not (isinstance(phi_q, torch.Tensor) and isinstance(phi_k, torch.Tensor)):
-        raise TypeError("feature_map must return tensors")
-    if phi_q.shape[:-1] != q.shape[:-1] or phi_k.shape[:-1] != k.shape[:-1] or phi_q.shape[-1] != phi_k.shape[-1]:
-        raise ValueError(
-            f"feature_map must map (..., N, D) to (..., N, M), got q {shape_str(q.shape)} -> {shape_str(phi_q.shape)} "
-            f"and k {shape_str(k.shape)} -> {shape_str(phi_k.shape)}"
-        )
+    phi_q, phi_k = _feature(feature_map, q), _feature(feature_map, k)
+    _check_feature_sizes(phi_q.shape[-1], phi_k.shape[-1])
     return phi_q, phi_k
 
 
@@ -243,9 +242,7 @@ def _noncausal_sums(feature_map, q, k, v, mask, *, eps, chunk_size):
     outputs = []
     for start in range(0, q.shape[-2], chunk_size):
         phi_q = _feature(feature_map, q[..., start : start + chunk_size, :])  # (..., C, M)
-        if phi_q.shape[-1] != kv.shape[-2]:
-            raise ValueError(f"feature_map must map (..., N, D) to (..., N, M) with one M, got M = {phi_q.shape[-1]} "
-                             f"for queries and {kv.shape[-2]} for keys")
+        _check_feature_sizes(phi_q.shape[-1], kv.shape[-2])
         numerator = torch.matmul(phi_q, kv)  # (..., C, Dv)
         denominator = torch.matmul(phi_q, z.transpose(-2, -1))  # (..., C, 1)
         outputs.append(numerator / (denominator + eps))  # (..., C, Dv)

@@ -16,7 +16,21 @@ from ...attention import stable_softmax
 from ..core import Case, Fail, Outcome
 from ..judging import returned_tensor
 
-__all__ = ["returned", "answered", "first_match", "same", "softmax_over_queries"]
+__all__ = ["returned", "answered", "first_match", "same", "softmax_over_queries", "seeded_randn"]
+
+
+def seeded_randn(seed: int) -> Callable[..., torch.Tensor]:
+    """A ``randn(*shape, dtype=float64, std=1.0)`` that draws from its own generator seeded with ``seed``.
+
+    Case builders use it so their inputs are the same on every call and never touch the
+    learner's global random state.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.float64, std: float = 1.0) -> torch.Tensor:
+        return std * torch.randn(*shape, generator=generator, dtype=dtype)
+
+    return randn
 
 
 def returned(

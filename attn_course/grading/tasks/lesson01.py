@@ -9,7 +9,7 @@ import torch
 from ...attention import scaled_dot_product_attention, stable_softmax
 from ..core import Case, Fail, Task
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned, softmax_over_queries
+from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
 __all__ = ["STABLE_SOFTMAX", "ATTENTION"]
 
@@ -228,10 +228,7 @@ STABLE_SOFTMAX = Task(
 
 
 def _attention_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(102)
-
-    def randn(*shape, dtype=torch.float64, std=1.0):
-        return std * torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(102)
 
     return [
         # D = 9 so that 1/sqrt(D), 1/D and 1/sqrt(L) are all different.

@@ -10,7 +10,7 @@ from ...attention import scaled_dot_product_attention, stable_softmax
 from ...masks import causal_mask, combine_masks, padding_mask
 from ..core import Case, Fail, Task
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
-from ._common import answered, first_match, returned
+from ._common import answered, first_match, returned, seeded_randn
 
 __all__ = ["CAUSAL_MASK", "PADDING_MASK", "MASKED_ATTENTION"]
 
@@ -240,10 +240,7 @@ PADDING_MASK = Task(
 
 
 def _masked_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(303)
-
-    def randn(*shape, dtype=torch.float64):
-        return torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(303)
 
     pad = padding_mask([6, 3])[:, None, None, :]  # (B, 1, 1, S)
     causal_and_pad = combine_masks(causal_mask(5), padding_mask([5, 2])[:, None, None, :])  # (B, 1, L, S)

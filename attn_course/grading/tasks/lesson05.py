@@ -11,7 +11,7 @@ from ...attention import scaled_dot_product_attention, stable_softmax
 from ...sparse import pattern_mask, sparse_attention
 from ..core import Case, Fail, Task
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
-from ._common import answered, returned
+from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
 
 __all__ = ["SLIDING_WINDOW_MASK", "BLOCK_LOCAL_ATTENTION"]
@@ -147,10 +147,7 @@ SLIDING_WINDOW_MASK = Task(
 
 
 def _block_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(505)
-
-    def randn(*shape, dtype=torch.float64):
-        return torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(505)
 
     return [
         Case("q, k, v (2, 2, 16, 8), block_size=4 (L a multiple of the block), float64",

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ...linear import linear_attention, linear_attention_quadratic
 from ..core import Case, Fail, Task
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, returned
+from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
 
 __all__ = ["LINEAR_ATTENTION", "CAUSAL_LINEAR_ATTENTION"]
@@ -27,10 +27,7 @@ def _phi(x):
 
 
 def _linear_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(606)
-
-    def randn(*shape, dtype=torch.float64):
-        return torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(606)
 
     lengths = torch.tensor([9, 5])
     padding = (torch.arange(9)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
@@ -177,10 +174,7 @@ LINEAR_ATTENTION = Task(
 
 
 def _causal_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(616)
-
-    def randn(*shape, dtype=torch.float64):
-        return torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(616)
 
     q, k, v = randn(2, 2, 9, 4), randn(2, 2, 9, 4), randn(2, 2, 9, 3)
     k_future, v_future = k.clone(), v.clone()

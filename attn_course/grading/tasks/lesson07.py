@@ -10,7 +10,7 @@ from ...attention import scaled_dot_product_attention
 from ...chunked import PartialAttention, chunked_attention, finish_partial, merge_partials, partial_attention
 from ..core import Case, Fail, Task
 from ..judging import Checklist, expect_close, expect_dtype, expect_finite, expect_inputs_unchanged, expect_shape
-from ._common import answered, returned
+from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
 
 __all__ = ["MERGE_PARTIALS", "ONLINE_SOFTMAX_ATTENTION"]
@@ -28,10 +28,7 @@ def _partial(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _merge_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(707)
-
-    def randn(*shape, dtype=torch.float64):
-        return torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(707)
 
     # Case 0: two chunks of 5 and 3 keys; the second chunk's scores are larger for some rows.
     scores0 = torch.cat([randn(2, 2, 4, 5), randn(2, 2, 4, 3) + torch.tensor([3.0, -3.0, 0.0, 6.0])[:, None]], -1)
@@ -234,10 +231,7 @@ MERGE_PARTIALS = Task(
 
 
 def _online_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(717)
-
-    def randn(*shape, dtype=torch.float64):
-        return torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(717)
 
     return [
         Case("q, k, v (2, 2, 12, 8), chunk_size=4 (S a multiple), float64",

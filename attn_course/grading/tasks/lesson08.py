@@ -13,7 +13,7 @@ from ...diagnostics import attention_entropy, find_nonfinite
 from ...masks import causal_mask
 from ..core import Case, Fail, Task
 from ..judging import NOT_IMPLEMENTED, Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned, softmax_over_queries
+from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
 __all__ = ["ATTENTION_ENTROPY", "QK_NORM_ATTENTION", "FIRST_NONFINITE_MODULE"]
 
@@ -186,10 +186,7 @@ ATTENTION_ENTROPY = Task(
 
 
 def _qk_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(818)
-
-    def randn(*shape, std=1.0, dtype=torch.float64):
-        return std * torch.randn(*shape, generator=gen, dtype=dtype)
+    randn = seeded_randn(818)
 
     zero_query = randn(1, 2, 4, 8, std=5.0)  # (B, H, L, D)
     zero_query[0, 1, 2] = 0.0  # one query vector is exactly zero
