@@ -84,12 +84,16 @@ def fit(
     seed: int = 0,
     progress: bool = True,
     description: str = "training",
+    augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
 ) -> History:
     """Train ``model`` with AdamW (or ``optimizer``) and a cosine schedule; return its ``History``.
 
     A tqdm bar shows the epoch and the running loss, and one line at the end sums the run up
     (``progress=False`` silences both). ``eval_data`` = ``(inputs, targets)`` adds the
-    accuracy after every epoch. Shuffling uses its own generator seeded with ``seed``.
+    accuracy after every epoch. Shuffling uses its own generator seeded with ``seed``;
+    ``augment(batch_inputs, generator)``, if given, transforms every training batch with that
+    same generator (e.g. ``attn_course.data.images.random_shift`` in lesson 09), so a run is
+    reproducible from ``seed`` alone.
     """
     import time
 
@@ -119,6 +123,8 @@ def fit(
         ):
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = base * lr_factor(step)
+            if augment is not None:
+                batch_inputs = augment(batch_inputs, generator)
             loss = loss_fn(model(batch_inputs), batch_targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

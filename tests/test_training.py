@@ -59,3 +59,27 @@ def test_fit_ends_with_a_summary_line_that_a_saved_notebook_can_show(capsys):
     )
     fit(_model(), x, y, epochs=1, progress=False)
     assert capsys.readouterr().out == ""
+
+
+def test_fit_augments_every_training_batch_with_its_own_generator():
+    inputs, targets = _toy_problem()
+    seen = []
+
+    def augment(batch, generator):
+        assert isinstance(generator, torch.Generator)
+        seen.append(batch.shape[0])
+        return batch + 0.01 * torch.randn(batch.shape, generator=generator)
+
+    torch.manual_seed(0)
+    model = _model()
+    fit(model, inputs, targets, epochs=2, batch_size=16, augment=augment, progress=False)
+    assert sum(seen) == 2 * inputs.shape[0], "every training example, every epoch, goes through augment"
+    torch.manual_seed(0)
+    again = _model()
+    fit(again, inputs, targets, epochs=2, batch_size=16, augment=augment, progress=False)
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a, b), "the same seed gives the same augmented run"
+    torch.manual_seed(0)
+    plain = _model()
+    fit(plain, inputs, targets, epochs=2, batch_size=16, progress=False)
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters())), "augment was applied"
