@@ -40,6 +40,7 @@ __all__ = [
     "ViTConfig",
     "DIGITS_TRAINING",
     "patchify",
+    "sincos_positions_2d",
     "PatchEmbedding",
     "ViTBlock",
     "VisionTransformer",
@@ -65,6 +66,9 @@ class ViTConfig:
         attention_dropout: dropout on the attention weights.
         patch_embedding: ``"conv"`` (a ``p x p`` conv with stride ``p``) or ``"linear"``
             (:func:`patchify` then ``nn.Linear``); the same function, two spellings.
+        position_embedding: ``"learned"`` (a trained ``(N+1, E)`` table, as in the ViT paper) or
+            ``"sincos2d"`` (the fixed table of :func:`sincos_positions_2d`, zeros for the class
+            token, as in MAE; nothing to learn).
     """
 
     image_size: int = 8
@@ -78,6 +82,7 @@ class ViTConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     patch_embedding: Literal["conv", "linear"] = "conv"
+    position_embedding: Literal["learned", "sincos2d"] = "learned"
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model", "depth", "num_heads"):
@@ -97,6 +102,10 @@ class ViTConfig:
                 raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.patch_embedding not in ("conv", "linear"):
             raise ValueError(f"patch_embedding must be 'conv' or 'linear', got {self.patch_embedding!r}")
+        if self.position_embedding not in ("learned", "sincos2d"):
+            raise ValueError(f"position_embedding must be 'learned' or 'sincos2d', got {self.position_embedding!r}")
+        if self.position_embedding == "sincos2d" and self.d_model % 4:
+            raise ValueError(f"position_embedding='sincos2d' needs d_model divisible by 4, got {self.d_model}")
 
     @property
     def num_patches(self) -> int:
@@ -147,6 +156,55 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     x = images.reshape(B, C, H // p, p, W // p, p)  # (B, C, H/p, p, W/p, p)
     x = x.permute(0, 2, 4, 1, 3, 5)  # (B, H/p, W/p, C, p, p)
     return x.reshape(B, (H // p) * (W // p), C * p * p)  # (B, N, C p p)
+
+
+def sincos_positions_2d(
+    grid_height: int,
+    grid_width: int,
+    dim: int,
+    *,
+    base: float = 10000.0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Fixed 2-D sine-cosine positions for a ``grid_height x grid_width`` grid of patches: ``(N, dim)``.
+
+    Patch ``n = r * grid_width + c`` (row by row, as :func:`patchify` numbers them) gets its
+    column's 1-D sinusoidal table in the first half of the features and its row's in the
+    second: ``concat(sinusoidal_encoding(c, dim/2), sinusoidal_encoding(r, dim/2))``, each half
+    laid out as in :func:`attn_course.positional.sinusoidal_encoding` (sine and cosine
+    interleaved, frequencies ``base^(-k / (dim/4))``, k = 0 .. dim/4 - 1). This is the table of
+    MAE (He et al., 2022) and of Beyer et al. (2022), up to the order of features. Computed in
+    float64, returned in ``dtype`` (default: the default float dtype).
+    """
+    for name, value in (("grid_height", grid_height), ("grid_width", grid_width), ("dim", dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if dim % 4:
+        raise ValueError(f"dim must be divisible by 4 (a sine and a cosine for rows and for columns), got {dim}")
+    quarter = dim // 4
+    rows, cols = torch.meshgrid(
+        torch.arange(grid_height, dtype=torch.float64), torch.arange(grid_width, dtype=torch.float64), indexing="ij"
+    )  # (Hg, Wg) each
+    frequencies = base ** -(torch.arange(quarter, dtype=torch.float64) / quarter)  # (dim/4,), 1 down to ~1/base
+
+    def half(coordinate: torch.Tensor) -> torch.Tensor:
+        angles = coordinate.reshape(-1, 1) * frequencies  # (N, dim/4)
+        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)  # (N, dim/2), interleaved
+
+    table = torch.cat((half(cols), half(rows)), dim=-1)  # (N, dim): columns first, then rows
+    return table.to(device=device, dtype=dtype or torch.get_default_dtype())
+
+
+class _FixedPositions(nn.Module):
+    """Adds a fixed table ``(N, E)`` (a buffer, not a parameter) to ``x`` ``(B, N, E)``."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table  # (B, N, E)
 
 
 class PatchEmbedding(nn.Module):
@@ -259,7 +317,12 @@ class VisionTransformer(nn.Module):
             config.image_size, config.patch_size, config.in_channels, config.d_model, method=config.patch_embedding, **factory
         )
         self.class_token = nn.Parameter(torch.zeros(1, 1, config.d_model, **factory))
-        self.positions = LearnedPositionalEmbedding(config.num_patches + 1, config.d_model, **factory)
+        if config.position_embedding == "learned":
+            self.positions: nn.Module = LearnedPositionalEmbedding(config.num_patches + 1, config.d_model, **factory)
+        else:  # fixed 2-D table for the patches, zeros for the class token (MAE)
+            side = config.image_size // config.patch_size
+            table = sincos_positions_2d(side, side, config.d_model, **factory)  # (N, E)
+            self.positions = _FixedPositions(torch.cat((torch.zeros_like(table[:1]), table)))  # (N+1, E)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             ViTBlock(

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from attn_course.multihead import MultiHeadAttention
+from attn_course.positional import LearnedPositionalEmbedding
 from attn_course.vit import (
     PatchEmbedding,
     ViTBlock,
@@ -17,6 +18,7 @@ from attn_course.vit import (
     VisionTransformer,
     attention_rollout,
     patchify,
+    sincos_positions_2d,
     token_influence,
 )
 
@@ -61,6 +63,57 @@ def test_conv_and_linear_patch_embeddings_agree():
     assert conv(images).shape == (2, 4, 16)
     with pytest.raises(ValueError, match=r"\(B, 3, 8, 8\)"):
         conv(torch.randn(2, 1, 8, 8, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- 2-D sine-cosine positions
+
+
+def test_sincos_positions_2d_against_the_mae_formula_written_out():
+    """MAE's get_2d_sincos_pos_embed (column half first, frequencies 10000^(-k / (dim/4))), with
+    each half's sines and cosines interleaved as in the course's 1-D table."""
+    Hg, Wg, dim = 3, 5, 16  # a non-square grid: rows and columns cannot be confused
+    table = sincos_positions_2d(Hg, Wg, dim, dtype=torch.float64)
+    assert table.shape == (Hg * Wg, dim) and table.dtype == torch.float64
+    omega = 1.0 / 10000.0 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))  # (dim/4,)
+    for n in range(Hg * Wg):
+        r, c = divmod(n, Wg)  # patches row by row, as patchify numbers them
+        columns, rows = table[n, : dim // 2], table[n, dim // 2 :]
+        torch.testing.assert_close(columns[0::2], torch.sin(c * omega), rtol=0, atol=1e-15)
+        torch.testing.assert_close(columns[1::2], torch.cos(c * omega), rtol=0, atol=1e-15)
+        torch.testing.assert_close(rows[0::2], torch.sin(r * omega), rtol=0, atol=1e-15)
+        torch.testing.assert_close(rows[1::2], torch.cos(r * omega), rtol=0, atol=1e-15)
+    assert sincos_positions_2d(4, 4, 64).dtype == torch.get_default_dtype()
+
+
+def test_sincos_positions_2d_similarity_depends_only_on_the_offset():
+    """<PE(r, c), PE(r', c')> = sum_k cos((r - r') w_k) + cos((c - c') w_k): a function of the offset."""
+    side, dim = 6, 32
+    table = sincos_positions_2d(side, side, dim, dtype=torch.float64).reshape(side, side, dim)
+    offset = (1, 2)
+    dots = [float(table[r, c] @ table[r + offset[0], c + offset[1]])
+            for r in range(side - offset[0]) for c in range(side - offset[1])]
+    assert max(dots) - min(dots) < 1e-12
+    assert float(table[0, 0] @ table[0, 0]) == pytest.approx(dim / 2)  # every sin^2 + cos^2 pair is 1
+    with pytest.raises(ValueError, match="divisible by 4"):
+        sincos_positions_2d(4, 4, 30)
+    with pytest.raises(ValueError, match="grid_width"):
+        sincos_positions_2d(4, 0, 32)
+
+
+def test_sincos2d_model_uses_the_fixed_table_with_a_zero_row_for_the_class_token():
+    config = dataclasses.replace(SMALL, position_embedding="sincos2d")
+    model = small_model(config)
+    assert not any("positions" in name for name, _ in model.named_parameters()), "nothing to learn"
+    assert not any("positions" in key for key in model.state_dict()), "the table is rebuilt, not saved"
+    tokens = torch.zeros(2, config.num_patches + 1, config.d_model, dtype=torch.float64)  # (B, N+1, E)
+    added = model.positions(tokens)[0]  # (N+1, E)
+    assert torch.equal(added[0], torch.zeros(config.d_model, dtype=torch.float64))
+    torch.testing.assert_close(added[1:], sincos_positions_2d(2, 2, config.d_model, dtype=torch.float64))
+    assert isinstance(small_model().positions, LearnedPositionalEmbedding)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        ViTConfig(d_model=18, num_heads=2, position_embedding="sincos2d")
+    with pytest.raises(ValueError, match="position_embedding"):
+        ViTConfig(position_embedding="rotary")
 
 
 # ---------------------------------------------------------------- the model
@@ -124,6 +177,7 @@ def test_every_config_field_changes_the_model(field):
         "dropout": 0.5,
         "attention_dropout": 0.5,
         "patch_embedding": "linear",
+        "position_embedding": "sincos2d",
     }
     assert set(changed_values) == {f.name for f in dataclasses.fields(ViTConfig)}, "a new field needs a case here"
     base = SMALL
