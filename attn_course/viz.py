@@ -17,10 +17,12 @@ import io
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from matplotlib.axes import Axes
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from ._checks import shape_str
 
@@ -29,6 +31,7 @@ __all__ = [
     "plot_attention",
     "plot_heads",
     "plot_mask",
+    "plot_patch_attention",
     "figure_to_png",
 ]
 
@@ -184,6 +187,56 @@ def plot_mask(
         ax.tick_params(which="minor", length=0)
     _label_axes(ax, query_labels, key_labels, L, S)
     ax.set_title(title if title is not None else "blue = may attend (True)")
+    return ax.figure
+
+
+def plot_patch_attention(
+    image: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    ax: Axes | None = None,
+    title: str | None = None,
+    vmax: float | None = None,
+    outline: int | None = None,
+    colorbar: bool = False,
+    cmap: str = "magma",
+) -> Figure:
+    """Attention over the image itself: one token's weights on a grid of patches, the ink on top.
+
+    ``image`` ``(h, w)`` holds ink in ``[0, 1]`` (0 = blank paper); ``weights`` ``(gh, gw)`` are
+    one query's weights over the patches, laid out on the patch grid (row by row, as
+    ``attn_course.vit.patchify`` numbers them; each patch covers ``h/gh x w/gw`` pixels). The
+    weights fill each patch's square in colour (dark = little, bright = much); the digit is
+    drawn over them as cyan outlines of its ink, so both stay readable. ``outline`` draws a box
+    around patch ``n`` (the query's own patch). ``vmax=None`` stretches the colours to the
+    largest weight shown.
+    """
+    image = _as_matrix("image", image, expect_bool=False)
+    weights = _as_matrix("weights", weights, expect_bool=False)
+    h, w = image.shape
+    gh, gw = weights.shape
+    if h % gh or w % gw:
+        raise ValueError(f"the patch grid {gh}x{gw} must tile the image {h}x{w}")
+    ax = _new_axes(ax, (3.0, 3.0))
+    shown = ax.imshow(weights.float().numpy(), cmap=cmap, vmin=0.0, vmax=vmax, extent=(0, w, h, 0),
+                      interpolation="nearest")
+    ink = image.float().clamp(0, 1).numpy()
+    centres_x, centres_y = np.arange(w) + 0.5, np.arange(h) + 0.5  # pixel centres in the extent's units
+    ax.contour(centres_x, centres_y, ink, levels=[0.3, 0.7], colors="#00e5ff", linewidths=[1.0, 2.0])
+    if outline is not None:
+        if not 0 <= outline < gh * gw:
+            raise ValueError(f"outline must be a patch index in [0, {gh * gw}), got {outline}")
+        ph, pw = h // gh, w // gw
+        r, c = divmod(outline, gw)
+        ax.add_patch(Rectangle((c * pw, r * ph), pw, ph, fill=False, edgecolor="white", linestyle="--", linewidth=2.0))
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlim(0, w)
+    ax.set_ylim(h, 0)
+    if title:
+        ax.set_title(title, fontsize=9)
+    if colorbar:
+        ax.figure.colorbar(shown, ax=ax, fraction=0.05, pad=0.02, label="weight")
     return ax.figure
 
 

@@ -14,6 +14,8 @@ Explorers:
 
 * ``HeadExplorer``: attention weights of a model -- layer / head / example selectors, a
   heatmap with token labels, or every head of a layer in a grid (lesson 02);
+* ``PatchAttentionExplorer``: a Vision Transformer's attention drawn over the image itself --
+  layer (or the rollout), head (or their mean), image and query token (lesson 09);
 * ``ScaleExplorer``: how ``d_k``, the ``1/sqrt(d_k)`` scale and a temperature change the
   scores' spread and the softmax's sharpness (lesson 01);
 * ``MaskExplorer``: causal, padding and combined masks and the weights they leave (lesson 03);
@@ -31,14 +33,16 @@ from pathlib import Path
 import ipywidgets as widgets
 import torch
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from ._checks import shape_str
 from .attention import scaled_dot_product_attention
 from .masks import causal_mask, combine_masks, padding_mask
 from .sparse import PATTERNS, pattern_mask
-from .viz import MAX_TOKENS, figure_to_png, plot_attention, plot_heads, plot_mask
+from .viz import MAX_TOKENS, figure_to_png, plot_attention, plot_heads, plot_mask, plot_patch_attention
+from .vit import attention_rollout
 
-__all__ = ["HeadExplorer", "ScaleExplorer", "MaskExplorer", "PatternExplorer"]
+__all__ = ["HeadExplorer", "PatchAttentionExplorer", "ScaleExplorer", "MaskExplorer", "PatternExplorer"]
 
 
 class _Explorer:
@@ -225,6 +229,118 @@ class HeadExplorer(_Explorer):
             key_labels=key_labels,
             title=f"layer {layer}, head {head}, example {example}{note}",
         )
+
+
+class PatchAttentionExplorer(_Explorer):
+    """A Vision Transformer's attention over the image itself (lesson 09).
+
+    Args:
+        maps: one ``(B, H, N+1, N+1)`` tensor per layer, as ``VisionTransformer(images,
+            need_weights=True)`` returns them: token 0 is the class token, tokens ``1..N`` the
+            patches, row by row on a square grid.
+        images: the ink ``(B, h, w)`` or ``(B, 1, h, w)`` in ``[0, 1]`` drawn under the weights.
+        titles: one short caption per image (e.g. ``"label 3, predicted 5"``); default none.
+        save_dir: where "Save PNG" writes.
+
+    Controls: the layer (or ``"rollout"``, :func:`attn_course.vit.attention_rollout` of all the
+    layers), the head (or the mean of the heads; the rollout always averages them), the image,
+    and the query token (the class token or one patch). Left: the query's weights on the
+    patches, drawn over the image (:func:`attn_course.viz.plot_patch_attention`). Right: the
+    whole ``(N+1, N+1)`` matrix, the query's row boxed.
+    """
+
+    name = "patches"
+    MEAN = -1  # the head menu's value for "mean of heads"
+
+    def __init__(
+        self,
+        maps: Sequence[torch.Tensor],
+        images: torch.Tensor,
+        *,
+        titles: Sequence[str] | None = None,
+        save_dir: str | Path = ".",
+    ) -> None:
+        self.layers = HeadExplorer._check_attention(maps)
+        B, H, T, _ = self.layers[0].shape
+        side = math.isqrt(T - 1)
+        if T < 2 or side * side != T - 1 or any(m.shape != self.layers[0].shape for m in self.layers):
+            raise ValueError(
+                f"maps must be (B, H, N+1, N+1) per layer with N a square number of patches, got "
+                f"{[shape_str(m.shape) for m in self.layers]}"
+            )
+        if not isinstance(images, torch.Tensor) or images.dim() not in (3, 4) or images.shape[0] != B:
+            got = shape_str(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+            raise ValueError(f"images must be (B, h, w) or (B, 1, h, w) with B = {B} like the maps, got {got}")
+        self.images = (images[:, 0] if images.dim() == 4 else images).detach().float().cpu()  # (B, h, w)
+        h, w = self.images.shape[1:]
+        if h % side or w % side:
+            raise ValueError(f"a {side}x{side} grid of patches must tile the {h}x{w} images")
+        self.side = side
+        self.titles = [str(t) for t in titles] if titles is not None else None
+        if self.titles is not None and len(self.titles) != B:
+            raise ValueError(f"got {len(self.titles)} titles for {B} images")
+        self.rollout = attention_rollout(self.layers)  # (B, N+1, N+1), computed once
+        self.layer = widgets.Dropdown(
+            options=[(f"layer {i}", i) for i in range(len(self.layers))] + [("rollout (all layers)", "rollout")],
+            value=len(self.layers) - 1, description="layer")
+        self.head = widgets.Dropdown(options=[("mean of heads", self.MEAN)] + [(f"head {i}", i) for i in range(H)],
+                                     value=self.MEAN, description="head")
+        self.example = widgets.IntSlider(value=0, min=0, max=B - 1, description="image")
+        self.query = widgets.Dropdown(options=[("class token", 0)] + [(f"patch {n}", n + 1) for n in range(T - 1)],
+                                      value=0, description="query")
+        self.layer.observe(lambda change: setattr(self.head, "disabled", change["new"] == "rollout"), names="value")
+        super().__init__([self.layer, self.head, self.example, self.query], save_dir=save_dir)
+        self.refresh()
+
+    @property
+    def state(self) -> dict:
+        return {"layer": self.layer.value, "head": self.head.value, "example": self.example.value,
+                "query": self.query.value}
+
+    def weights(self, *, layer: int | str = 0, head: int = MEAN, example: int = 0) -> torch.Tensor:
+        """The ``(N+1, N+1)`` matrix shown: one head, the mean of the heads, or the rollout."""
+        B = self.images.shape[0]
+        if not 0 <= example < B:
+            raise ValueError(f"example must be in [0, {B}), got {example}")
+        if layer == "rollout":
+            return self.rollout[example]  # (N+1, N+1)
+        if not isinstance(layer, int) or not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer must be 'rollout' or an int in [0, {len(self.layers)}), got {layer!r}")
+        H = self.layers[layer].shape[1]
+        if head == self.MEAN:
+            return self.layers[layer][example].mean(dim=0)  # (N+1, N+1)
+        if not 0 <= head < H:
+            raise ValueError(f"head must be {self.MEAN} (mean) or in [0, {H}), got {head}")
+        return self.layers[layer][example, head]  # (N+1, N+1)
+
+    def on_image(self, *, layer: int | str = 0, head: int = MEAN, example: int = 0, query: int = 0) -> torch.Tensor:
+        """Row ``query`` of :meth:`weights` over the patches, on the patch grid ``(side, side)``."""
+        matrix = self.weights(layer=layer, head=head, example=example)
+        if not 0 <= query < matrix.shape[0]:
+            raise ValueError(f"query must be a token index in [0, {matrix.shape[0]}), got {query}")
+        return matrix[query, 1:].reshape(self.side, self.side)  # (side, side), row by row
+
+    def draw(self, *, layer: int | str = 0, head: int = MEAN, example: int = 0, query: int = 0) -> Figure:
+        """Left: the query's weights over the image. Right: the whole matrix, the query's row boxed."""
+        matrix = self.weights(layer=layer, head=head, example=example)  # (N+1, N+1)
+        grid = self.on_image(layer=layer, head=head, example=example, query=query)  # (side, side)
+        which = ("rollout" if layer == "rollout" else
+                 f"layer {layer}, " + ("mean of heads" if head == self.MEAN else f"head {head}"))
+        who = "class token" if query == 0 else f"patch {query - 1}"
+        # Fixed axes positions instead of a layout engine: redrawing stays quick (lesson 09's widget).
+        fig = Figure(figsize=(9.0, 4.2))
+        left = fig.add_axes((0.03, 0.08, 0.38, 0.76))
+        right = fig.add_axes((0.52, 0.14, 0.36, 0.7))
+        plot_patch_attention(self.images[example], grid, ax=left, outline=None if query == 0 else query - 1,
+                             title=f"{who} -> patches (keeps {matrix[query, 0]:.2f} on the class token)")
+        labels = ["cls"] + [str(n) for n in range(matrix.shape[0] - 1)]
+        plot_attention(matrix, ax=right, query_labels=labels, key_labels=labels, vmax=None, title=which, colorbar=False)
+        right.tick_params(labelsize=7)
+        right.add_patch(Rectangle((-0.5, query - 0.5), matrix.shape[1], 1, fill=False, edgecolor="white", linewidth=1.5))
+        fig.colorbar(right.images[0], cax=fig.add_axes((0.9, 0.14, 0.015, 0.7)), label="weight")
+        caption = f"image {example}" + (f": {self.titles[example]}" if self.titles else "")
+        fig.suptitle(f"{caption} ({which})")
+        return fig
 
 
 class ScaleExplorer(_Explorer):

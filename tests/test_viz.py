@@ -79,3 +79,22 @@ def test_figure_to_png_is_a_png():
 
 def test_max_tokens_is_the_documented_cap():
     assert MAX_TOKENS == 64
+
+
+def test_plot_patch_attention_puts_each_weight_on_its_patch():
+    from attn_course.viz import plot_patch_attention
+
+    weights = torch.arange(16.0).reshape(4, 4) / 16  # (gh, gw): patch n = r * 4 + c has weight n / 16
+    ink = torch.zeros(8, 8)
+    ink[2:6, 3:5] = 1.0
+    fig = plot_patch_attention(ink, weights, outline=6, title="patch 6")
+    ax = fig.axes[0]
+    np.testing.assert_allclose(ax.images[0].get_array(), weights.numpy())
+    assert tuple(ax.images[0].get_extent()) == (0, 8, 8, 0), "the 4 x 4 grid covers the 8 x 8 image"
+    box = ax.patches[0]
+    assert (box.get_x(), box.get_y(), box.get_width(), box.get_height()) == (4, 2, 2, 2)  # row 1, column 2
+    assert ax.get_title() == "patch 6"
+    with pytest.raises(ValueError, match="tile"):
+        plot_patch_attention(torch.zeros(8, 8), torch.ones(3, 3))
+    with pytest.raises(ValueError, match="outline"):
+        plot_patch_attention(ink, weights, outline=16)

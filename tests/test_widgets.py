@@ -11,7 +11,7 @@ import torch
 import attn_course as ac
 from attn_course.models import TinyAttentionConfig, TinyAttentionModel
 from attn_course.viz import MAX_TOKENS
-from attn_course.widgets import HeadExplorer, MaskExplorer, ScaleExplorer
+from attn_course.widgets import HeadExplorer, MaskExplorer, PatchAttentionExplorer, ScaleExplorer
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -113,6 +113,69 @@ def test_head_explorer_rejects_bad_input():
         HeadExplorer(torch.rand(2, 3, 3))
     with pytest.raises(ValueError, match="labels for 2 examples"):
         HeadExplorer(_layers(B=3), [list("abcde")] * 2)
+
+
+# --- patch attention explorer (lesson 09) --------------------------------------------------
+
+
+def _vit_layers(B=3, H=2, side=4, depth=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = side * side + 1
+    return [torch.softmax(2 * torch.randn(B, H, T, T, generator=gen), dim=-1) for _ in range(depth)]  # (B, H, N+1, N+1)
+
+
+def _ink(B=3, size=8, seed=1):
+    return torch.rand(B, 1, size, size, generator=torch.Generator().manual_seed(seed))  # (B, 1, h, w)
+
+
+def test_patch_explorer_draws_the_query_row_on_the_patch_grid():
+    layers = _vit_layers()
+    explorer = PatchAttentionExplorer(layers, _ink(), titles=["a", "b", "c"])
+    assert explorer.state == {"layer": 1, "head": PatchAttentionExplorer.MEAN, "example": 0, "query": 0}
+    # Default: the last layer, heads averaged, the class token's row over the 16 patches, row by row.
+    np.testing.assert_allclose(_drawn(explorer, 0), layers[1][0].mean(0)[0, 1:].reshape(4, 4).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(_drawn(explorer, 1), layers[1][0].mean(0).numpy(), rtol=1e-6)
+    png = bytes(explorer.image.value)
+    assert png.startswith(PNG)
+
+    explorer.head.value = 1
+    explorer.query.value = 6  # patch 5: row 1, column 1 of the 4 x 4 grid
+    explorer.example.value = 2
+    np.testing.assert_allclose(_drawn(explorer, 0), layers[1][2, 1, 6, 1:].reshape(4, 4).numpy(), rtol=1e-6)
+    assert bytes(explorer.image.value) != png, "the live image is redrawn"
+    box = [p for p in explorer.figure.axes[0].patches][0]
+    assert (box.get_x(), box.get_y(), box.get_width()) == (2.0, 2.0, 2.0), "the query's own 2x2-pixel patch is boxed"
+    assert "image 2: c" in explorer.figure.get_suptitle()
+
+    explorer.layer.value = 0
+    np.testing.assert_allclose(_drawn(explorer, 0), layers[0][2, 1, 6, 1:].reshape(4, 4).numpy(), rtol=1e-6)
+
+
+def test_patch_explorer_rollout_is_the_library_rollout():
+    layers = _vit_layers()
+    explorer = PatchAttentionExplorer(layers, _ink()[:, 0])  # (B, h, w) works too
+    explorer.layer.value = "rollout"
+    assert explorer.head.disabled, "the rollout averages the heads: the head menu is off"
+    expected = ac.attention_rollout(layers)[0]  # (N+1, N+1)
+    np.testing.assert_allclose(_drawn(explorer, 1), expected.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(explorer.on_image(layer="rollout", example=0, query=0).numpy(),
+                               expected[0, 1:].reshape(4, 4).numpy(), rtol=1e-6)
+    explorer.layer.value = 1
+    assert not explorer.head.disabled
+
+
+def test_patch_explorer_rejects_bad_input():
+    with pytest.raises(ValueError, match="square number of patches"):
+        PatchAttentionExplorer(_layers(L=6), _ink())  # 5 patches + the class token: not a square grid
+    with pytest.raises(ValueError, match="B = 3"):
+        PatchAttentionExplorer(_vit_layers(), _ink(B=2))
+    with pytest.raises(ValueError, match="tile"):
+        PatchAttentionExplorer(_vit_layers(side=3), _ink(size=8))
+    explorer = PatchAttentionExplorer(_vit_layers(), _ink())
+    with pytest.raises(ValueError, match="query"):
+        explorer.draw(query=17)
+    with pytest.raises(ValueError, match="head"):
+        explorer.draw(head=2)
 
 
 # --- scale explorer -------------------------------------------------------------------------
