@@ -7,7 +7,7 @@ heads) uses ``fit`` and ``accuracy`` from here, so the loop is written (and test
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,18 +53,48 @@ def _default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def predict(model: nn.Module, inputs: torch.Tensor, *, batch_size: int = 512) -> torch.Tensor:
-    """``argmax`` predictions of ``model`` over ``inputs``, in evaluation mode."""
+def predict(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    batch_size: int = 512,
+    views: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """``argmax`` predictions of ``model`` over ``inputs``, in evaluation mode.
+
+    ``views(batch)``, if given, returns several versions of each batch (e.g. every shifted
+    copy, ``attn_course.data.images.all_shifts``); the prediction is then the ``argmax`` of
+    the softmax averaged over them (test-time augmentation, lesson 09).
+    """
     was_training = model.training
     model.eval()
-    predictions = [model(inputs[i : i + batch_size]).argmax(-1) for i in range(0, inputs.shape[0], batch_size)]
+
+    def one_batch(batch: torch.Tensor) -> torch.Tensor:
+        if views is None:
+            return model(batch).argmax(-1)
+        versions = list(views(batch))
+        if not versions:
+            raise ValueError("views returned no versions of the batch")
+        return torch.stack([model(v).softmax(-1) for v in versions]).mean(0).argmax(-1)
+
+    predictions = [one_batch(inputs[i : i + batch_size]) for i in range(0, inputs.shape[0], batch_size)]
     model.train(was_training)
     return torch.cat(predictions)
 
 
-def accuracy(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, batch_size: int = 512) -> float:
-    """Fraction of correct ``argmax`` predictions (over every position for sequence outputs)."""
-    return (predict(model, inputs, batch_size=batch_size) == targets).float().mean().item()
+def accuracy(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    batch_size: int = 512,
+    views: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+) -> float:
+    """Fraction of correct ``argmax`` predictions (over every position for sequence outputs).
+
+    ``views`` as in :func:`predict` (predictions averaged over several versions of each input).
+    """
+    return (predict(model, inputs, batch_size=batch_size, views=views) == targets).float().mean().item()
 
 
 def fit(

@@ -66,6 +66,12 @@ class ViTConfig:
         attention_dropout: dropout on the attention weights.
         patch_embedding: ``"conv"`` (a ``p x p`` conv with stride ``p``) or ``"linear"``
             (:func:`patchify` then ``nn.Linear``); the same function, two spellings.
+        patch_overlap: how many pixels each token's window reaches beyond its ``p x p`` cell on
+            every side (``"conv"`` embedding only). 0 is the ViT paper's non-overlapping patches;
+            with ``v > 0`` each token embeds a ``(p + 2v) x (p + 2v)`` window (a conv with
+            kernel ``p + 2v``, stride ``p``, zero padding ``v``) and the grid of tokens is
+            unchanged: neighbouring tokens share pixels (an "overlapping patch embedding", as in
+            PVTv2; Xiao et al. (2021) show such early convolutions help ViTs on little data).
         position_embedding: ``"learned"`` (a trained ``(N+1, E)`` table, as in the ViT paper) or
             ``"sincos2d"`` (the fixed table of :func:`sincos_positions_2d`, zeros for the class
             token, as in MAE; nothing to learn).
@@ -82,6 +88,7 @@ class ViTConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     patch_embedding: Literal["conv", "linear"] = "conv"
+    patch_overlap: int = 0
     position_embedding: Literal["learned", "sincos2d"] = "learned"
 
     def __post_init__(self) -> None:
@@ -102,6 +109,10 @@ class ViTConfig:
                 raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.patch_embedding not in ("conv", "linear"):
             raise ValueError(f"patch_embedding must be 'conv' or 'linear', got {self.patch_embedding!r}")
+        if isinstance(self.patch_overlap, bool) or not isinstance(self.patch_overlap, int) or self.patch_overlap < 0:
+            raise ValueError(f"ViTConfig.patch_overlap must be an int >= 0, got {self.patch_overlap!r}")
+        if self.patch_overlap and self.patch_embedding != "conv":
+            raise ValueError("patch_overlap > 0 needs patch_embedding='conv' (patchify cuts non-overlapping squares)")
         if self.position_embedding not in ("learned", "sincos2d"):
             raise ValueError(f"position_embedding must be 'learned' or 'sincos2d', got {self.position_embedding!r}")
         if self.position_embedding == "sincos2d" and self.d_model % 4:
@@ -213,6 +224,8 @@ class PatchEmbedding(nn.Module):
     ``method="conv"``: ``Conv2d(C, E, kernel_size=p, stride=p)``, then flatten the grid.
     ``method="linear"``: :func:`patchify`, then ``Linear(C p p, E)``. Same maths; the conv
     is the usual spelling, the linear one shows what it does.
+    ``overlap=v`` (conv only): kernel ``p + 2v``, stride ``p``, zero padding ``v``: each token
+    embeds its cell and ``v`` pixels around it; still one token per ``p x p`` cell.
     """
 
     def __init__(
@@ -223,25 +236,34 @@ class PatchEmbedding(nn.Module):
         d_model: int,
         *,
         method: Literal["conv", "linear"] = "conv",
+        overlap: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if method not in ("conv", "linear"):
             raise ValueError(f"method must be 'conv' or 'linear', got {method!r}")
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+            raise ValueError(f"overlap must be an int >= 0, got {overlap!r}")
+        if overlap and method != "conv":
+            raise ValueError("overlap > 0 needs method='conv' (patchify cuts non-overlapping squares)")
         factory = {"device": device, "dtype": dtype}
         self.image_size = image_size
         self.patch_size = patch_size
         self.in_channels = in_channels
         self.method = method
+        self.overlap = overlap
         self.num_patches = (image_size // patch_size) ** 2
         if method == "conv":
-            self.proj: nn.Module = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size, **factory)
+            self.proj: nn.Module = nn.Conv2d(
+                in_channels, d_model, kernel_size=patch_size + 2 * overlap, stride=patch_size, padding=overlap, **factory
+            )
         else:
             self.proj = nn.Linear(in_channels * patch_size * patch_size, d_model, **factory)
 
     def extra_repr(self) -> str:
-        return f"image_size={self.image_size}, patch_size={self.patch_size}, method={self.method!r}"
+        overlap = f", overlap={self.overlap}" if self.overlap else ""
+        return f"image_size={self.image_size}, patch_size={self.patch_size}, method={self.method!r}{overlap}"
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         images = check_tensor("images", images, min_dim=4)
@@ -314,7 +336,13 @@ class VisionTransformer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.config = config
         self.patch_embedding = PatchEmbedding(
-            config.image_size, config.patch_size, config.in_channels, config.d_model, method=config.patch_embedding, **factory
+            config.image_size,
+            config.patch_size,
+            config.in_channels,
+            config.d_model,
+            method=config.patch_embedding,
+            overlap=config.patch_overlap,
+            **factory,
         )
         self.class_token = nn.Parameter(torch.zeros(1, 1, config.d_model, **factory))
         if config.position_embedding == "learned":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_course.data.images import load_digits_split, random_shift
+from attn_course.data.images import all_shifts, load_digits_split, random_shift
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +109,16 @@ def test_random_shift_fills_with_blank_paper_and_checks_its_arguments(split):
         random_shift(images[0])
     with pytest.raises(ValueError, match="max_shift"):
         random_shift(images, max_shift=-1)
+
+
+def test_all_shifts_gives_every_shift_once_the_unshifted_batch_in_the_middle():
+    images = torch.zeros(2, 1, 5, 5)
+    images[:, 0, 2, 2] = 1.0  # one lit pixel in the centre
+    views = all_shifts(images, max_shift=1)
+    assert len(views) == 9 and torch.equal(views[4], images)
+    moved = {tuple(((v[0, 0] == 1.0).nonzero()[0] - 2).tolist()) for v in views}
+    assert moved == {(dr, dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1)}
+    # The same windows random_shift draws from: each random shift is one of the nine views.
+    drawn = random_shift(images, torch.Generator().manual_seed(3))
+    assert any(torch.equal(drawn[0], v[0]) for v in views)
+    assert len(all_shifts(images, max_shift=2)) == 25 and torch.equal(all_shifts(images, max_shift=0)[0], images)

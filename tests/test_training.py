@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from attn_course.training import accuracy, fit, iterate_batches
+from attn_course.training import accuracy, fit, iterate_batches, predict
 
 
 def _toy_problem():
@@ -83,3 +83,22 @@ def test_fit_augments_every_training_batch_with_its_own_generator():
     plain = _model()
     fit(plain, inputs, targets, epochs=2, batch_size=16, progress=False)
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters())), "augment was applied"
+
+
+def test_predict_averages_the_softmax_over_views():
+    class Votes(nn.Module):
+        """Logits that make class 0 likely on x and class 1 very likely on -x."""
+
+        def forward(self, x):
+            return torch.stack((x[:, 0], 3 * -x[:, 0]), dim=-1)  # (N, 2)
+
+    x = torch.tensor([[1.0], [-1.0]])
+    model = Votes()
+    assert predict(model, x).tolist() == [0, 1]
+    # Views (x, -x, -x): for x = 1, p(class 1) = (sigmoid(-4) + 2 sigmoid(4)) / 3 = 0.66 -> 1; for x = -1,
+    # (sigmoid(4) + 2 sigmoid(-4)) / 3 = 0.34 -> 0. Plain predictions say the opposite.
+    averaged = predict(model, x, views=lambda batch: [batch, -batch, -batch])
+    assert averaged.tolist() == [1, 0]
+    assert accuracy(model, x, torch.tensor([1, 0]), views=lambda batch: [batch, -batch, -batch]) == 1.0
+    with pytest.raises(ValueError, match="no versions"):
+        predict(model, x, views=lambda batch: [])

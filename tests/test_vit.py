@@ -65,6 +65,28 @@ def test_conv_and_linear_patch_embeddings_agree():
         conv(torch.randn(2, 1, 8, 8, dtype=torch.float64))
 
 
+def test_overlapping_patches_embed_a_wider_window_on_the_same_grid():
+    torch.manual_seed(0)
+    embed = PatchEmbedding(8, 2, 3, 16, overlap=1, dtype=torch.float64)  # 4 x 4 windows every 2 pixels
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    tokens = embed(images)
+    assert tokens.shape == (2, 16, 16), "one token per 2 x 2 cell, as without overlap"
+    # Token n = r * 4 + c reads rows 2r-1 .. 2r+2 and columns 2c-1 .. 2c+2 of the zero-padded image.
+    padded = nn.functional.pad(images, (1, 1, 1, 1))  # (B, C, 10, 10)
+    weight, bias = embed.proj.weight, embed.proj.bias  # (E, C, 4, 4), (E,)
+    for n in (0, 5, 15):
+        r, c = divmod(n, 4)
+        window = padded[:, :, 2 * r : 2 * r + 4, 2 * c : 2 * c + 4]  # (B, C, 4, 4)
+        expected = window.flatten(1) @ weight.flatten(1).T + bias  # (B, E)
+        torch.testing.assert_close(tokens[:, n], expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="method='conv'"):
+        PatchEmbedding(8, 2, 1, 16, method="linear", overlap=1)
+    with pytest.raises(ValueError, match="patch_embedding='conv'"):
+        ViTConfig(patch_size=2, patch_embedding="linear", patch_overlap=1)
+    with pytest.raises(ValueError, match="patch_overlap"):
+        ViTConfig(patch_overlap=-1)
+
+
 # ---------------------------------------------------------------- 2-D sine-cosine positions
 
 
@@ -177,6 +199,7 @@ def test_every_config_field_changes_the_model(field):
         "dropout": 0.5,
         "attention_dropout": 0.5,
         "patch_embedding": "linear",
+        "patch_overlap": 1,
         "position_embedding": "sincos2d",
     }
     assert set(changed_values) == {f.name for f in dataclasses.fields(ViTConfig)}, "a new field needs a case here"

@@ -10,7 +10,9 @@ three) and deterministic for a given seed.
 
 :func:`random_shift` is the one augmentation the lesson uses: every image moved by up to
 ``max_shift`` pixels in each direction, a cheap way to teach a model that a digit one pixel
-to the left is the same digit.
+to the left is the same digit. :func:`all_shifts` gives every such shifted copy of a batch, to
+average a model's predictions over them at test time (``attn_course.training.predict(...,
+views=all_shifts)``).
 
 Taught in lesson 09 (Vision Transformer).
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DigitsSplit", "load_digits_split", "random_shift", "DIGIT_CLASSES"]
+__all__ = ["DigitsSplit", "load_digits_split", "random_shift", "all_shifts", "DIGIT_CLASSES"]
 
 DIGIT_CLASSES: tuple[str, ...] = tuple(str(d) for d in range(10))
 
@@ -109,6 +111,25 @@ def load_digits_split(
     return DigitsSplit(*prepare(train_index), *prepare(val_index), *prepare(test_index), mean, std)
 
 
+def _shift(images: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, m: int) -> torch.Tensor:
+    """Each image ``b`` moved so that its window starts at ``(rows[b], cols[b])`` of the ``m``-padded image."""
+    B, C, H, W = images.shape
+    padded = F.pad(images, (m, m, m, m), value=float(images.min()))  # (B, C, H + 2m, W + 2m)
+    row_index = rows[:, None] + torch.arange(H, device=images.device)  # (B, H)
+    col_index = cols[:, None] + torch.arange(W, device=images.device)  # (B, W)
+    batch = torch.arange(B, device=images.device)[:, None, None]  # (B, 1, 1)
+    window = padded.permute(0, 2, 3, 1)[batch, row_index[:, :, None], col_index[:, None, :]]  # (B, H, W, C)
+    return window.permute(0, 3, 1, 2).contiguous()  # (B, C, H, W)
+
+
+def _check_images_and_shift(images: object, max_shift: object) -> None:
+    if not isinstance(images, torch.Tensor) or images.dim() != 4:
+        got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images must be a tensor (B, C, H, W), got {got}")
+    if isinstance(max_shift, bool) or not isinstance(max_shift, int) or max_shift < 0:
+        raise ValueError(f"max_shift must be an int >= 0, got {max_shift!r}")
+
+
 def random_shift(images: torch.Tensor, generator: torch.Generator | None = None, *, max_shift: int = 1) -> torch.Tensor:
     """Move each image ``(B, C, H, W)`` by a random whole number of pixels, at most ``max_shift`` each way.
 
@@ -116,19 +137,27 @@ def random_shift(images: torch.Tensor, generator: torch.Generator | None = None,
     paper for standardised digits), nothing wraps around. Each image draws its own vertical
     and horizontal shift from ``generator``; the input is not modified.
     """
-    if not isinstance(images, torch.Tensor) or images.dim() != 4:
-        got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"images must be a tensor (B, C, H, W), got {got}")
-    if isinstance(max_shift, bool) or not isinstance(max_shift, int) or max_shift < 0:
-        raise ValueError(f"max_shift must be an int >= 0, got {max_shift!r}")
+    _check_images_and_shift(images, max_shift)
     if max_shift == 0:
         return images.clone()
-    B, C, H, W = images.shape
-    m = max_shift
-    padded = F.pad(images, (m, m, m, m), value=float(images.min()))  # (B, C, H + 2m, W + 2m)
-    offsets = torch.randint(0, 2 * m + 1, (2, B), generator=generator).to(images.device)  # (2, B): rows, columns
-    rows = offsets[0, :, None] + torch.arange(H, device=images.device)  # (B, H)
-    cols = offsets[1, :, None] + torch.arange(W, device=images.device)  # (B, W)
-    batch = torch.arange(B, device=images.device)[:, None, None]  # (B, 1, 1)
-    window = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
-    return window.permute(0, 3, 1, 2).contiguous()  # (B, C, H, W)
+    offsets = torch.randint(0, 2 * max_shift + 1, (2, images.shape[0]), generator=generator)  # (2, B): rows, columns
+    offsets = offsets.to(images.device)
+    return _shift(images, offsets[0], offsets[1], max_shift)
+
+
+def all_shifts(images: torch.Tensor, *, max_shift: int = 1) -> list[torch.Tensor]:
+    """Every copy of ``images`` ``(B, C, H, W)`` moved by whole pixels, at most ``max_shift`` each way.
+
+    ``(2 max_shift + 1)^2`` tensors, the unshifted batch in the middle; filled like
+    :func:`random_shift`. Used to average a model's predictions over the shifts it was trained
+    on (test-time augmentation).
+    """
+    _check_images_and_shift(images, max_shift)
+    B, m = images.shape[0], max_shift
+    views = []
+    for dr in range(2 * m + 1):
+        for dc in range(2 * m + 1):
+            rows = torch.full((B,), dr, device=images.device)  # (B,)
+            cols = torch.full((B,), dc, device=images.device)  # (B,)
+            views.append(_shift(images, rows, cols, m) if m else images.clone())
+    return views
