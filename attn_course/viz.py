@@ -222,7 +222,7 @@ def plot_patch_attention(
                       interpolation="nearest")
     ink = image.float().clamp(0, 1).numpy()
     centres_x, centres_y = np.arange(w) + 0.5, np.arange(h) + 0.5  # pixel centres in the extent's units
-    ax.contour(centres_x, centres_y, ink, levels=[0.3, 0.7], colors="#00e5ff", linewidths=[1.0, 2.0])
+    ax.contour(centres_x, centres_y, ink, levels=[0.4], colors="#00e5ff", linewidths=1.8)
     if outline is not None:
         if not 0 <= outline < gh * gw:
             raise ValueError(f"outline must be a patch index in [0, {gh * gw}), got {outline}")

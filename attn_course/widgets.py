@@ -331,10 +331,12 @@ class PatchAttentionExplorer(_Explorer):
         fig = Figure(figsize=(9.0, 4.2))
         left = fig.add_axes((0.03, 0.08, 0.38, 0.76))
         right = fig.add_axes((0.52, 0.14, 0.36, 0.7))
-        plot_patch_attention(self.images[example], grid, ax=left, outline=None if query == 0 else query - 1,
+        top = float(matrix.max())  # one colour scale for both panels
+        plot_patch_attention(self.images[example], grid, ax=left, outline=None if query == 0 else query - 1, vmax=top,
                              title=f"{who} -> patches (keeps {matrix[query, 0]:.2f} on the class token)")
         labels = ["cls"] + [str(n) for n in range(matrix.shape[0] - 1)]
-        plot_attention(matrix, ax=right, query_labels=labels, key_labels=labels, vmax=None, title=which, colorbar=False)
+        plot_attention(matrix, ax=right, query_labels=labels, key_labels=labels, vmax=top, title=which, colorbar=False,
+                       cmap="magma")
         right.tick_params(labelsize=7)
         right.add_patch(Rectangle((-0.5, query - 0.5), matrix.shape[1], 1, fill=False, edgecolor="white", linewidth=1.5))
         fig.colorbar(right.images[0], cax=fig.add_axes((0.9, 0.14, 0.015, 0.7)), label="weight")
