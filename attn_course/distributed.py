@@ -88,6 +88,7 @@ __all__ = [
     "ring_step_backward",
     "ring_attention",
     "ulysses_attention",
+    "rank_summary",
     "run_distributed",
     "ShardedAttentionRun",
     "run_sharded_attention",
@@ -914,6 +915,19 @@ def _error(rank: int, world_size: int, detail) -> BaseException:
     return error
 
 
+def rank_summary(rank: int, world_size: int) -> dict[str, object]:
+    """What one process of :func:`run_distributed` sees: its rank, the group, and one collective.
+
+    Every rank contributes ``rank + 1`` to an ``all_reduce`` (a collective: every rank must
+    call it, and each gets the sum), so the result proves the processes talk to each other.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    total = torch.tensor([rank + 1.0], device=device)
+    dist.all_reduce(total)  # sum over the ranks, the same on every rank
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+            "all_reduce of rank + 1": int(total.item())}
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -1285,6 +1299,7 @@ def plot_causal_layout(seq_len: int, world_size: int, *, layout: str = "zigzag",
     """
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
     positions = sequence_positions(seq_len, world_size, layout=layout)
     owner = torch.full((seq_len, seq_len), -1.0)  # (L, L): rank computing each pair, -1 = skipped
@@ -1305,6 +1320,8 @@ def plot_causal_layout(seq_len: int, world_size: int, *, layout: str = "zigzag",
         image[owner == rank] = torch.tensor(colours[rank], dtype=torch.float32)
     image[masked, 3] = 0.25  # masked pairs: pale
     ax.imshow(image.numpy(), cmap=ListedColormap(colours), interpolation="nearest")
+    ax.legend(handles=[Patch(color=colours[r], label=f"rank {r}") for r in range(world_size)], loc="upper right",
+              fontsize=8, frameon=False)
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
     ax.set_title(f"{layout}, W={world_size}")
