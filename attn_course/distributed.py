@@ -31,7 +31,9 @@ Around them:
   notebook cell.
 * :func:`run_sharded_attention` runs one attention method on W processes from full-size
   tensors: it shards them, runs forward (and backward), gathers the output and gradients back
-  and returns each rank's communication log and measured peak memory.
+  and returns each rank's communication log and measured peak memory;
+  :func:`run_sharded_attention_batch` runs several settings in one process group.
+  :func:`rank_summary` is the smallest useful worker: one ``all_reduce``.
 * :class:`CommunicationLog` / :func:`log_communication`: every exchange in this module goes
   through a thin wrapper around ``torch.distributed`` that records the bytes this rank sent
   and the time it waited, per phase and step, and the number of scores each step computed.
@@ -58,7 +60,6 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -383,7 +384,7 @@ class _RingExchange:
 
 def _all_to_all(x: torch.Tensor, group, *, what: str, phase: str) -> torch.Tensor:
     """``x`` ``(W, ...)``: chunk ``w`` goes to rank ``w``; returns ``(W, ...)`` with chunk ``w`` from rank ``w``."""
-    rank, world_size = _group_rank_size(group)
+    _, world_size = _group_rank_size(group)
     x = x.contiguous()
     if world_size == 1:
         return x.clone()
@@ -397,7 +398,7 @@ def _all_to_all(x: torch.Tensor, group, *, what: str, phase: str) -> torch.Tenso
 
 
 def _all_gather(x: torch.Tensor, group, *, what: str, phase: str) -> list[torch.Tensor]:
-    rank, world_size = _group_rank_size(group)
+    _, world_size = _group_rank_size(group)
     x = x.contiguous()
     if world_size == 1:
         return [x]
@@ -786,7 +787,7 @@ def ulysses_attention(
     number of heads must be a multiple of the world size.
     """
     _check_block(q, k, v, key_padding_mask, same_length=True)
-    rank, world_size = _group_rank_size(group)
+    _, world_size = _group_rank_size(group)
     B, H, local, _ = q.shape
     if H % world_size:
         raise ValueError(
