@@ -5,6 +5,7 @@ D head dim, E model dim. Masks are boolean with True = may attend.
 """
 
 from .attention import scaled_dot_product_attention, stable_softmax
+from .claims import ClaimError, claim
 from .chunked import (
     PartialAttention,
     chunked_attention,
@@ -89,6 +90,8 @@ __all__ = [
     "capture_attention",
     "causal_mask",
     "chunked_attention",
+    "claim",
+    "ClaimError",
     "combine_masks",
     "CommunicationLog",
     "compare_kv_cache_memory",

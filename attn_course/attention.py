@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_qkv
+from ._checks import check_mask, check_qkv, weights_keyword
 from .masks import causal_mask, fully_masked_rows
 
 __all__ = ["scaled_dot_product_attention", "stable_softmax"]
@@ -66,6 +66,7 @@ def _allowed_positions(
     return mask.masked_fill(~causal, float("-inf"))  # additive mask, future set to -inf
 
 
+@weights_keyword
 def scaled_dot_product_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,7 +76,7 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
+    need_weights: bool = False,
     fused: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention over the last two dims.
@@ -92,12 +93,12 @@ def scaled_dot_product_attention(
             ``mask``: a key must be allowed by both.
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
         dropout_p: probability of zeroing a weight (pass 0.0 at evaluation time).
-        return_weights: also return the attention weights ``(..., L, S)`` (before dropout).
+        need_weights: also return the attention weights ``(..., L, S)`` (before dropout).
         fused: ``True`` forces PyTorch's fused kernel (cannot return weights), ``False``
             forces the explicit path, ``None`` picks fused unless weights are requested.
 
     Returns:
-        ``out`` of shape ``(..., L, Dv)``, or ``(out, weights)`` if ``return_weights``.
+        ``out`` of shape ``(..., L, Dv)``, or ``(out, weights)`` if ``need_weights``.
     """
     L, S, batch_shape = check_qkv(q, k, v)
     target = (*batch_shape, L, S)
@@ -110,15 +111,15 @@ def scaled_dot_product_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if fused is None:
-        fused = not return_weights
-    if fused and return_weights:
-        raise ValueError("the fused kernel never forms the weights: use fused=False (or None) with return_weights=True")
+        fused = not need_weights
+    if fused and need_weights:
+        raise ValueError("the fused kernel never forms the weights: use fused=False (or None) with need_weights=True")
 
     allowed = _allowed_positions(mask, is_causal=is_causal, L=L, S=S, device=q.device)
     if fused:
         return _fused_attention(q, k, v, allowed, scale=scale, dropout_p=dropout_p)
     out, weights = _explicit_attention(q, k, v, allowed, scale=scale, dropout_p=dropout_p)
-    return (out, weights) if return_weights else out
+    return (out, weights) if need_weights else out
 
 
 def _explicit_attention(

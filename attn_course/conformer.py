@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_tensor, shape_str
+from ._checks import check_tensor, shape_str, weights_keyword
 from .masks import padding_mask
 from .multihead import MultiHeadAttention
 from .positional import RelativePositionMultiHeadAttention, sinusoidal_encoding
@@ -375,13 +375,14 @@ class ConformerEncoder(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(ConformerBlock(config, **factory) for _ in range(config.num_layers))
 
+    @weights_keyword
     def forward(
-        self, features: torch.Tensor, lengths: torch.Tensor | None = None, *, return_attention: bool = False
+        self, features: torch.Tensor, lengths: torch.Tensor | None = None, *, need_weights: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """``features`` ``(B, T, F)``; ``lengths`` ``(B,)`` real frames per clip (default: all ``T``).
 
         Returns ``(encoded (B, T', E), lengths' (B,))``, plus per-block attention weights
-        ``(B, H, T', T')`` with ``return_attention``.
+        ``(B, H, T', T')`` with ``need_weights``.
         """
         features = check_tensor("features", features, min_dim=3)
         if features.dim() != 3 or features.shape[-1] != self.config.n_mels:
@@ -408,12 +409,12 @@ class ConformerEncoder(nn.Module):
             x = x + sinusoidal_encoding(positions, self.config.d_model).to(x.dtype)  # (B, T', E)
         maps = []
         for block in self.blocks:
-            if return_attention:
+            if need_weights:
                 x, weights = block(x, keep, need_weights=True)  # (B, T', E), (B, H, T', T')
                 maps.append(weights)
             else:
                 x = block(x, keep)  # (B, T', E)
-        return (x, out_lengths, maps) if return_attention else (x, out_lengths)
+        return (x, out_lengths, maps) if need_weights else (x, out_lengths)
 
 
 class ConformerClassifier(nn.Module):

@@ -253,7 +253,7 @@ def _course_weights(module: MultiHeadAttention, call: dict[str, object]) -> tupl
     num_kv_heads = getattr(module, "num_kv_heads", module.num_heads)
     q = split_heads(module.q_proj(query), module.num_heads)  # (B, H, L, D)
     k = split_heads(module.k_proj(key), num_kv_heads)  # (B, Hkv, S, D)
-    _, weights = grouped_attention(q, k, k, mask, is_causal=is_causal, return_weights=True, fused=False)  # (B, H, L, S)
+    _, weights = grouped_attention(q, k, k, mask, is_causal=is_causal, need_weights=True, fused=False)  # (B, H, L, S)
     return weights, _allowed(mask, is_causal=is_causal, L=q.shape[2], S=k.shape[2], device=q.device)
 
 
@@ -292,7 +292,7 @@ def _torch_weights(module: nn.MultiheadAttention, call: dict[str, object]) -> tu
         mask = masks[0] if len(masks) == 1 else masks[0] & masks[1]
     else:  # at least one additive mask: add them up as biases
         mask = sum(m if m.dtype != torch.bool else mask_to_bias(m, q.dtype) for m in masks)
-    _, weights = grouped_attention(q, k, k, mask, return_weights=True, fused=False)  # (B, H, L, S)
+    _, weights = grouped_attention(q, k, k, mask, need_weights=True, fused=False)  # (B, H, L, S)
     return weights, _allowed(mask, is_causal=False, L=L, S=S, device=q.device)
 
 

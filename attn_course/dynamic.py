@@ -158,7 +158,7 @@ class DynamicHeadAttention(MultiHeadAttention):
             mask,
             is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
+            need_weights=need_weights,
             fused=None if self.fused else False,
         )
         context, weights = attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S)
@@ -188,7 +188,7 @@ class DynamicHeadAttention(MultiHeadAttention):
         mask = self._key_mask(mask, padding_mask, self_attention=self_attention)
         q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
         k = split_heads(self.k_proj(key), self.num_heads)  # (B, H, S, D)
-        _, weights = scaled_dot_product_attention(q, k, k, mask, is_causal=is_causal, return_weights=True, fused=False)
+        _, weights = scaled_dot_product_attention(q, k, k, mask, is_causal=is_causal, need_weights=True, fused=False)
         if is_causal:
             causal = causal_mask(q.shape[2], k.shape[2], device=q.device)  # (L, S)
             if mask is None:

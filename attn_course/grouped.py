@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_mask, check_tensor, shape_str
+from ._checks import check_mask, check_tensor, shape_str, weights_keyword
 from .attention import scaled_dot_product_attention
 from .masks import causal_mask
 from .multihead import MultiHeadAttention, merge_heads, split_heads
@@ -67,6 +67,7 @@ def _fold_mask(mask: torch.Tensor, *, B: int, H: int, L: int, S: int, num_kv_hea
     return mask.reshape(mask.shape[0], num_kv_heads, (H // num_kv_heads) * L, S)  # (b, Hkv, G * L, S)
 
 
+@weights_keyword
 def grouped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,7 +77,7 @@ def grouped_attention(
     is_causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
+    need_weights: bool = False,
     fused: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention where ``H`` query heads share ``Hkv`` key/value heads (``Hkv`` divides ``H``).
@@ -87,7 +88,7 @@ def grouped_attention(
         v: values ``(B, Hkv, S, Dv)``.
         mask: bool (True = may attend) or float (additive), broadcastable to ``(B, H, L, S)``.
         is_causal: top-left aligned causal mask, as in ``scaled_dot_product_attention``.
-        scale, dropout_p, return_weights, fused: as in
+        scale, dropout_p, need_weights, fused: as in
             ``attn_course.scaled_dot_product_attention``.
 
     Returns:
@@ -143,10 +144,10 @@ def grouped_attention(
         mask,
         scale=scale,
         dropout_p=dropout_p,
-        return_weights=return_weights,
+        need_weights=need_weights,
         fused=fused,
     )
-    if return_weights:
+    if need_weights:
         out, weights = attended  # (B, Hkv, G * L, Dv), (B, Hkv, G * L, S)
         return out.reshape(B, H, L, -1), weights.reshape(B, H, L, S)  # (B, H, L, Dv), (B, H, L, S)
     return attended.reshape(B, H, L, -1)  # (B, H, L, Dv)
@@ -234,7 +235,7 @@ class GroupedQueryAttention(MultiHeadAttention):
             mask,
             is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
+            need_weights=need_weights,
             fused=None if self.fused else False,
         )
         context, weights = attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S)

@@ -143,7 +143,7 @@ class MultiHeadAttention(nn.Module):
             mask,
             is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
+            need_weights=need_weights,
             fused=None if self.fused else False,
         )
         if need_weights:

@@ -259,7 +259,7 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
             bias,
             scale=scale,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
+            need_weights=need_weights,
             fused=None if self.fused else False,
         )
         context, weights = attended if need_weights else (attended, None)  # (B, H, L, D)

@@ -8,7 +8,7 @@
       -> LayerNorm, read the class token, linear head                               (B, classes)
 
 The attention is the package's ``MultiHeadAttention``; ask for the per-layer, per-head
-attention maps with ``model(images, return_attention=True)`` and combine them across layers
+attention maps with ``model(images, need_weights=True)`` and combine them across layers
 with :func:`attention_rollout` (Abnar & Zuidema, 2020).
 
 :func:`token_influence` measures which output tokens change when one input token is
@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str
+from ._checks import check_tensor, shape_str, weights_keyword
 from .models import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
 from .multihead import MultiHeadAttention
 from .positional import LearnedPositionalEmbedding
@@ -239,7 +239,7 @@ class VisionTransformer(nn.Module):
     """A ViT classifier built from a :class:`ViTConfig`.
 
     ``forward(images)`` -> logits ``(B, num_classes)``;
-    ``forward(images, return_attention=True)`` -> ``(logits, maps)`` with one ``(B, H, N+1, N+1)``
+    ``forward(images, need_weights=True)`` -> ``(logits, maps)`` with one ``(B, H, N+1, N+1)``
     tensor per block (token 0 is the class token).
     """
 
@@ -285,8 +285,9 @@ class VisionTransformer(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
+    @weights_keyword
     def encode(
-        self, images: torch.Tensor, *, return_attention: bool = False
+        self, images: torch.Tensor, *, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Images ``(B, C, H, W)`` -> normalised tokens ``(B, N+1, E)`` (class token first)."""
         patches = self.patch_embedding(images)  # (B, N, E)
@@ -295,21 +296,22 @@ class VisionTransformer(nn.Module):
         x = self.dropout(self.positions(torch.cat((cls, patches), dim=1)))  # (B, N+1, E)
         maps = []
         for block in self.blocks:
-            if return_attention:
+            if need_weights:
                 x, weights = block(x, need_weights=True)  # (B, N+1, E), (B, H, N+1, N+1)
                 maps.append(weights)
             else:
                 x = block(x)  # (B, N+1, E)
         x = self.norm(x)  # (B, N+1, E)
-        return (x, maps) if return_attention else x
+        return (x, maps) if need_weights else x
 
+    @weights_keyword
     def forward(
-        self, images: torch.Tensor, *, return_attention: bool = False
+        self, images: torch.Tensor, *, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        encoded = self.encode(images, return_attention=return_attention)
-        tokens, maps = encoded if return_attention else (encoded, None)  # (B, N+1, E)
+        encoded = self.encode(images, need_weights=need_weights)
+        tokens, maps = encoded if need_weights else (encoded, None)  # (B, N+1, E)
         logits = self.head(tokens[:, 0])  # (B, num_classes), read from the class token
-        return (logits, maps) if return_attention else logits
+        return (logits, maps) if need_weights else logits
 
 
 def attention_rollout(maps: list[torch.Tensor] | tuple[torch.Tensor, ...], *, residual: bool = True) -> torch.Tensor:

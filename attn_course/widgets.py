@@ -286,7 +286,7 @@ class ScaleExplorer(_Explorer):
         """Attention weights ``(L, S)``, from the library's ``scaled_dot_product_attention``."""
         factor = self.scale(d_k=d_k, scaled=scaled, temperature=temperature)
         q, k = self.q[:, :d_k], self.k[:, :d_k]  # (L, D), (S, D)
-        _, weights = scaled_dot_product_attention(q, k, k, scale=factor, return_weights=True)  # (L, S)
+        _, weights = scaled_dot_product_attention(q, k, k, scale=factor, need_weights=True)  # (L, S)
         return weights
 
     def stats(self, *, d_k: int, scaled: bool, temperature: float = 1.0) -> dict[str, float]:
@@ -382,7 +382,7 @@ class MaskExplorer(_Explorer):
         """Weights ``(L, S)`` of seeded random scores under the mask (library attention)."""
         mask = self.mask(kind=kind, length=length, valid_length=valid_length)
         q, k = self.q[:length], self.k[:length]  # (L, D), (S, D)
-        _, weights = scaled_dot_product_attention(q, k, k, mask, return_weights=True)  # (L, S)
+        _, weights = scaled_dot_product_attention(q, k, k, mask, need_weights=True)  # (L, S)
         return weights
 
     def draw(self, *, kind: str = "causal + padding", length: int = 8, valid_length: int = 6) -> Figure:

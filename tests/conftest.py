@@ -47,3 +47,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def gen() -> torch.Generator:
     """A seeded CPU generator: inputs are made on CPU then moved, so every device sees the same numbers."""
     return torch.Generator().manual_seed(1234)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Say which CPU kernels PyTorch uses: `make test` checks stored outputs with other kernels than `make regenerate`."""
+    import os
+
+    chosen = os.environ.get("ATEN_CPU_CAPABILITY", "this CPU's best")
+    return f"torch {torch.__version__}, CPU kernels {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY: {chosen})"

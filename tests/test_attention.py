@@ -93,7 +93,7 @@ def test_custom_scale(gen, fused):
 def test_weights_are_softmax_rows(gen):
     q, k, v = randn(gen, 2, 6, 4), randn(gen, 2, 9, 4), randn(gen, 2, 9, 4)
     mask = random_mask(gen, 2, 6, 9)
-    out, weights = ac.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    out, weights = ac.scaled_dot_product_attention(q, k, v, mask, need_weights=True)
     ref_out, ref_weights = dense_reference(q, k, v, mask, 0.5)
     torch.testing.assert_close(weights, ref_weights, **F64)
     torch.testing.assert_close(out, ref_out, **F64)
@@ -122,7 +122,7 @@ def test_fully_masked_rows_weights_zero(gen):
     q, k, v = randn(gen, 4, 4), randn(gen, 4, 4), randn(gen, 4, 4)
     mask = torch.ones(4, 4, dtype=torch.bool)
     mask[1] = False
-    _, weights = ac.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    _, weights = ac.scaled_dot_product_attention(q, k, v, mask, need_weights=True)
     assert (weights[1] == 0).all()
     torch.testing.assert_close(weights[[0, 2, 3]].sum(-1), torch.ones(3, dtype=torch.float64))
 
@@ -180,7 +180,7 @@ def test_default_path_choice(gen):
     q = randn(gen, 2, 3, 4)
     out = ac.scaled_dot_product_attention(q, q, q)
     assert isinstance(out, torch.Tensor)
-    out2, weights = ac.scaled_dot_product_attention(q, q, q, return_weights=True)
+    out2, weights = ac.scaled_dot_product_attention(q, q, q, need_weights=True)
     assert weights.shape == (2, 3, 3)
     torch.testing.assert_close(out, out2, **F64)
 
@@ -230,7 +230,7 @@ def test_property_explicit_fused_and_oracle_agree(batch, L, S, D, Dv, causal, us
     mask = random_mask(gen, *batch, L, S, p=0.5, no_empty_rows=False) if use_mask else None
     allowed = ac.combine_masks(mask, ac.causal_mask(L, S) if causal else None)
     expected, expected_w = dense_reference(q, k, v, allowed, 1 / math.sqrt(D))
-    out, weights = ac.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=True)
+    out, weights = ac.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, need_weights=True)
     fused = ac.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, fused=True)
     torch.testing.assert_close(out, expected, **F64)
     torch.testing.assert_close(weights, expected_w, **F64)

@@ -97,7 +97,7 @@ def test_shapes_lengths_and_attention_maps(device):
     model = make(ConformerEncoder, device=device).eval()
     x = features(device=device)
     lengths = torch.tensor([40, 23, 7], device=device)
-    encoded, out_lengths, maps = model(x, lengths, return_attention=True)
+    encoded, out_lengths, maps = model(x, lengths, need_weights=True)
     expected_lengths = [((n - 1) // 2 - 1) // 2 for n in (40, 23, 7)]
     assert out_lengths.tolist() == expected_lengths == [9, 5, 1]
     assert encoded.shape == (3, 9, SMALL.d_model)
@@ -259,7 +259,7 @@ def test_every_config_field_reaches_its_module(field):
         return
     if field == "num_heads":
         assert b.encoder.blocks[0].attention.attention.num_heads == 4
-        assert b.encoder(x_b, return_attention=True)[2][0].shape[1] == 4
+        assert b.encoder(x_b, need_weights=True)[2][0].shape[1] == 4
         return
     if field == "positions":
         # Absolute: plain attention, and the same frames shifted in time give different outputs.

@@ -28,7 +28,7 @@ v4 = torch.randn(2, 4, 7, 8)
         ((q4, k4, v4, torch.ones(2, 7, dtype=torch.bool)), {}, ValueError, r"\(B, S\) padding mask needs mask\[:, None, None, :\]"),
         ((q4, k4, v4, torch.ones(2, 6, 7, dtype=torch.bool)), {}, ValueError, r"\(B, L, S\) mask needs mask\[:, None\]"),
         ((q4, k4, v4), {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
-        ((q4, k4, v4), {"fused": True, "return_weights": True}, ValueError, r"fused kernel never forms the weights"),
+        ((q4, k4, v4), {"fused": True, "need_weights": True}, ValueError, r"fused kernel never forms the weights"),
         ((q4, k4, v4, "causal"), {}, TypeError, r"mask must be a torch.Tensor or None, got str"),
     ],
     ids=[
@@ -121,3 +121,42 @@ def test_pick_device_unavailable_names_available():
         pytest.skip("CUDA present: nothing unavailable to ask for")
     with pytest.raises(ValueError, match=r"'cuda' is not available here; available: \[.*'cpu'\]"):
         ac.pick_device("cuda")
+
+
+# --- one keyword for the attention weights: need_weights; the old names still work and warn ---------
+
+
+def _weights_calls():
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 5, 4)
+    kv = torch.randn(2, 1, 5, 4)
+    vit = ac.VisionTransformer(ac.ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=16,
+                                            depth=1, num_heads=2)).eval()
+    conformer = ac.ConformerEncoder(ac.ConformerConfig(n_mels=8, d_model=16, num_heads=2, num_layers=1,
+                                                       num_classes=3, conv_kernel_size=3, subsampling_channels=4)).eval()
+    images, frames = torch.randn(2, 1, 8, 8), torch.randn(2, 12, 8)
+    return [
+        ("scaled_dot_product_attention", lambda **kw: ac.scaled_dot_product_attention(q, q, q, **kw)),
+        ("grouped_attention", lambda **kw: ac.grouped_attention(q, kv, kv, **kw)),
+        ("VisionTransformer.forward", lambda **kw: vit(images, **kw)),
+        ("ConformerEncoder.forward", lambda **kw: conformer(frames, **kw)),
+    ]
+
+
+@pytest.mark.parametrize("old", ["return_weights", "return_attention"])
+def test_old_weights_keywords_warn_and_give_what_need_weights_gives(old):
+    for name, call in _weights_calls():
+        with torch.no_grad():
+            new = call(need_weights=True)
+            with pytest.warns(FutureWarning, match=rf"{old}=\.\.\.\) is deprecated.*need_weights"):
+                legacy = call(**{old: True})
+        assert len(new) == len(legacy), name
+        for a, b in zip(new, legacy):
+            for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+                torch.testing.assert_close(x, y, rtol=0, atol=0, msg=name)
+
+
+def test_old_and_new_weights_keyword_together_is_an_error():
+    q = torch.randn(1, 3, 4)
+    with pytest.raises(TypeError, match="got both return_weights= .*need_weights="):
+        ac.scaled_dot_product_attention(q, q, q, need_weights=True, return_weights=True)

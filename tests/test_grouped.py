@@ -39,7 +39,7 @@ def reference_forward(module, x, mask=None, *, is_causal=False):
     v = ac.split_heads(module.v_proj(x), module.num_kv_heads)
     groups = module.num_heads // module.num_kv_heads
     out, weights = ac.scaled_dot_product_attention(
-        q, repeat_kv(k, groups), repeat_kv(v, groups), mask, is_causal=is_causal, return_weights=True
+        q, repeat_kv(k, groups), repeat_kv(v, groups), mask, is_causal=is_causal, need_weights=True
     )
     return module.out_proj(ac.merge_heads(out)), weights
 

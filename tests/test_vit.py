@@ -69,7 +69,7 @@ def test_conv_and_linear_patch_embeddings_agree():
 def test_shapes_maps_and_rows(device):
     model = small_model(device=device)
     images = images_for(SMALL).to(device)
-    logits, maps = model(images, return_attention=True)
+    logits, maps = model(images, need_weights=True)
     assert logits.shape == (2, 3)
     N = SMALL.num_patches + 1
     assert len(maps) == SMALL.depth
@@ -158,7 +158,7 @@ def test_every_config_field_changes_the_model(field):
 
 
 def model_maps(model: VisionTransformer, images: torch.Tensor) -> list[torch.Tensor]:
-    return model(images, return_attention=True)[1]
+    return model(images, need_weights=True)[1]
 
 
 def test_config_validation_and_preset():
@@ -286,6 +286,6 @@ def test_runs_under_bfloat16_autocast():
     images = images_for(SMALL, dtype=torch.float32)
     expected = model(images)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, maps = model(images, return_attention=True)
+        logits, maps = model(images, need_weights=True)
     assert torch.isfinite(logits).all() and all(torch.isfinite(m).all() for m in maps)
     torch.testing.assert_close(logits.float(), expected, atol=0.1, rtol=0.1)
