@@ -873,6 +873,7 @@ def _send(connection, message) -> None:
 
 def _worker(rank, world_size, port, backend, device_type, threads, timeout_s, job, connection) -> None:
     """The body of one worker process: join the group, run ``fn``, send back ("ok", result) or ("error", ...)."""
+    stage = "start"
     try:
         fn, args = pickle.loads(job)
         if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and (loopback := _loopback_interface()):
@@ -881,8 +882,10 @@ def _worker(rank, world_size, port, backend, device_type, threads, timeout_s, jo
         torch.set_num_threads(threads)
         if device_type == "cuda":
             torch.cuda.set_device(rank)
+        stage = "join"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        stage = "run"
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -890,7 +893,7 @@ def _worker(rank, world_size, port, backend, device_type, threads, timeout_s, jo
         _send(connection, ("ok", _to_cpu(result)))
     except BaseException as exc:  # reported to the parent, which raises it
         kind = type(exc)
-        _send(connection, ("error", (kind.__module__, kind.__qualname__, str(exc), traceback.format_exc())))
+        _send(connection, ("error", (kind.__module__, kind.__qualname__, str(exc), traceback.format_exc(), stage)))
     finally:
         connection.close()
 
@@ -973,9 +976,27 @@ def run_distributed(
     if not dist.is_available():
         raise RuntimeError("this PyTorch build has no torch.distributed")
 
+    job = pickle.dumps((fn, args))
+    for attempt in range(3):
+        results, errors, unfinished = _launch(job, world_size, backend, device, threads, timeout_s)
+        # The free port can be taken by another program between our probe and rank 0's bind: try another.
+        taken = any(stage == "join" and "address already in use" in str(error).lower() for _, error, stage in errors)
+        if not (taken and attempt < 2):
+            break
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    if unfinished:
+        raise TimeoutError(
+            f"ranks {unfinished} of {world_size} did not finish within {timeout_s:g} s (a rank waiting for a "
+            "collective the others never called?)"
+        )
+    return results
+
+
+def _launch(job: bytes, world_size: int, backend: str, device: str, threads: int, timeout_s: float):
+    """Start the workers once; return (results, [(rank, error, stage)], ranks that never answered)."""
     context = _context()
     port = _free_port()
-    job = pickle.dumps((fn, args))
     processes, connections = [], []
     for rank in range(world_size):
         receive, send = context.Pipe(duplex=False)
@@ -989,13 +1010,13 @@ def run_distributed(
         connections.append(receive)
 
     results: list[Any] = [None] * world_size
-    errors: list[tuple[int, BaseException]] = []
+    errors: list[tuple[int, BaseException, str]] = []
     waiting = dict(enumerate(connections))
-    deadline = time.monotonic() + timeout_s
+    deadline, first_error = time.monotonic() + timeout_s, None
     try:
         while waiting:
             # Once a rank has failed, the others are probably stuck in a collective: give them a moment.
-            limit = deadline if not errors else min(deadline, errors[0][2] + 5.0)
+            limit = deadline if first_error is None else min(deadline, first_error + 5.0)
             ready = multiprocessing.connection.wait(list(waiting.values()), timeout=max(0.0, limit - time.monotonic()))
             if not ready:
                 break
@@ -1009,11 +1030,12 @@ def run_distributed(
                     code = processes[rank].exitcode
                     status, payload = "error", ("builtins", "RuntimeError",
                                                 f"the process exited (code {code}) without a result"
-                                                + (": killed, out of memory?" if code == -9 else ""), "")
+                                                + (": killed, out of memory?" if code == -9 else ""), "", "run")
                 if status == "ok":
                     results[rank] = payload
                 else:
-                    errors.append((rank, _error(rank, world_size, payload), time.monotonic()))  # (rank, error, when)
+                    errors.append((rank, _error(rank, world_size, payload[:4]), payload[4]))
+                    first_error = first_error or time.monotonic()
     finally:
         for process in processes:
             if process.is_alive():
@@ -1025,14 +1047,7 @@ def run_distributed(
                 process.join()
         for connection in connections:
             connection.close()
-    if errors:
-        raise min(errors, key=lambda e: e[0])[1]
-    if waiting:
-        raise TimeoutError(
-            f"ranks {sorted(waiting)} of {world_size} did not finish within {timeout_s:g} s (a rank waiting for a "
-            "collective the others never called?)"
-        )
-    return results
+    return results, errors, sorted(waiting)
 
 
 # ----------------------------------------------------------------------------------------
