@@ -1297,7 +1297,7 @@ def plot_ring_schedule(world_size: int, *, ax=None):
     schedule = torch.tensor(ring_schedule(world_size))  # (W, W)
     if ax is None:
         _, ax = plt.subplots(figsize=(1.1 * world_size + 1.6, 0.7 * world_size + 1.0))
-    ax.imshow(schedule, cmap="tab10", vmin=0, vmax=9, alpha=0.55)
+    ax.imshow(schedule.numpy(), cmap="tab10", vmin=0, vmax=9, alpha=0.55)
     for rank in range(world_size):
         for step in range(world_size):
             ax.text(step, rank, f"K/V {int(schedule[rank, step])}", ha="center", va="center", fontsize=9)
@@ -1314,7 +1314,6 @@ def plot_causal_layout(seq_len: int, world_size: int, *, layout: str = "zigzag",
     block, then masked. The colour of a row is the rank that holds that query.
     """
     import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
     positions = sequence_positions(seq_len, world_size, layout=layout)
@@ -1335,7 +1334,7 @@ def plot_causal_layout(seq_len: int, world_size: int, *, layout: str = "zigzag",
     for rank in range(world_size):
         image[owner == rank] = torch.tensor(colours[rank], dtype=torch.float32)
     image[masked, 3] = 0.25  # masked pairs: pale
-    ax.imshow(image.numpy(), cmap=ListedColormap(colours), interpolation="nearest")
+    ax.imshow(image.numpy(), interpolation="nearest")
     ax.legend(handles=[Patch(color=colours[r], label=f"rank {r}") for r in range(world_size)], loc="upper right",
               fontsize=8, frameon=False)
     ax.set_xlabel("key position")

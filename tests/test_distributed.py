@@ -476,3 +476,25 @@ def test_a_port_taken_between_probe_and_bind_is_retried(monkeypatch):
     finally:
         busy.close()
     assert not ports, "the taken port was offered first"
+
+
+def test_pictures_show_the_schedule_and_who_computes_what():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure = dist_attn.plot_ring_schedule(3)
+    labels = sorted(text.get_text() for text in figure.axes[0].texts)
+    assert labels == sorted(f"K/V {b}" for row in dist_attn.ring_schedule(3) for b in row)
+    plt.close(figure)
+    figure = dist_attn.plot_causal_layout(16, 4, layout="zigzag")
+    image = figure.axes[0].images[0].get_array()  # (L, L, RGBA)
+    white = (image[..., :3] == 1.0).all(-1)  # skipped pairs
+    opaque = (image[..., 3] == 1.0) & ~white  # computed and allowed (masked pairs are pale)
+    colours = {tuple(image[i, j, :3]) for i, j in zip(*opaque.nonzero())}
+    assert len(colours) == 4, "one colour per rank"
+    allowed_per_rank = [int(opaque[p].sum()) for p in ac.sequence_positions(16, 4, layout="zigzag")]
+    assert allowed_per_rank == [int((p + 1).sum()) for p in ac.sequence_positions(16, 4, layout="zigzag")]
+    assert [t.get_text() for t in figure.axes[0].get_legend().get_texts()] == [f"rank {r}" for r in range(4)]
+    plt.close(figure)
