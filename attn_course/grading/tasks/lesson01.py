@@ -7,7 +7,7 @@ import math
 import torch
 
 from ...attention import scaled_dot_product_attention, stable_softmax
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
@@ -210,14 +210,14 @@ STABLE_SOFTMAX = Task(
     judge=_judge_softmax,
     reference=_softmax_reference,
     wrong={
-        "no max subtraction (exp overflows)": (_softmax_no_max, "Subtract each row's maximum"),
-        "softmax over dim=-2": (_softmax_wrong_axis, "down each column"),
-        "subtracts the max of the whole tensor": (_softmax_global_max, "whole tensor"),
-        "exp without normalising": (_softmax_unnormalised, "without dividing by the row sum"),
-        "divides by the sum of the raw scores": (_softmax_divides_by_raw_sum, "should sum to 1"),
-        "max without keepdim=True": (_softmax_no_keepdim, "keepdim=True"),
-        "NaN on an all -inf row": (_softmax_nan_on_empty_rows, "gives zeros"),
-        "overwrites its input in place": (_softmax_in_place, "in place"),
+        "no max subtraction (exp overflows)": Wrong(_softmax_no_max, "Subtract each row's maximum"),
+        "softmax over dim=-2": Wrong(_softmax_wrong_axis, "down each column"),
+        "subtracts the max of the whole tensor": Wrong(_softmax_global_max, "whole tensor"),
+        "exp without normalising": Wrong(_softmax_unnormalised, "without dividing by the row sum"),
+        "divides by the sum of the raw scores": Wrong(_softmax_divides_by_raw_sum, "should sum to 1"),
+        "max without keepdim=True": Wrong(_softmax_no_keepdim, "keepdim=True"),
+        "NaN on an all -inf row": Wrong(_softmax_nan_on_empty_rows, "gives zeros"),
+        "overwrites its input in place": Wrong(_softmax_in_place, "in place", kind="contract"),
     },
 )
 
@@ -383,14 +383,16 @@ ATTENTION = Task(
     judge=_judge_attention,
     reference=_attention_reference,
     wrong={
-        "missing the 1/sqrt(D) scale": (_attention_no_scale, "did not scale"),
-        "divides by D instead of sqrt(D)": (_attention_scale_by_d, "divide by sqrt(D)"),
-        "scales with the sequence length": (_attention_scale_by_length, "head dim"),
-        "softmax over dim=-2": (_attention_wrong_axis, "down each column"),
-        "k reshaped instead of transposed": (_attention_k_reshaped, "k.transpose(-2, -1)"),
-        "k.transpose(0, 1) on batched input": (_attention_k_transposed_first_axes, "transpose only the last two axes"),
-        "returns the weights instead of the output": (_attention_returns_weights, "weights @ v"),
-        "softmax without max subtraction": (_attention_naive_softmax, "overflow"),
-        "scales q in place": (_attention_scales_q_in_place, "in place"),
+        "missing the 1/sqrt(D) scale": Wrong(_attention_no_scale, "did not scale"),
+        "divides by D instead of sqrt(D)": Wrong(_attention_scale_by_d, "divide by sqrt(D)"),
+        "scales with the sequence length": Wrong(_attention_scale_by_length, "head dim"),
+        "softmax over dim=-2": Wrong(_attention_wrong_axis, "down each column"),
+        "k reshaped instead of transposed": Wrong(_attention_k_reshaped, "k.transpose(-2, -1)"),
+        "k.transpose(0, 1) on batched input": Wrong(
+            _attention_k_transposed_first_axes, "transpose only the last two axes"
+        ),
+        "returns the weights instead of the output": Wrong(_attention_returns_weights, "weights @ v"),
+        "softmax without max subtraction": Wrong(_attention_naive_softmax, "overflow"),
+        "scales q in place": Wrong(_attention_scales_q_in_place, "in place", kind="contract"),
     },
 )

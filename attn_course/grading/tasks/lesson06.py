@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ...linear import linear_attention, linear_attention_quadratic
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
@@ -156,13 +156,13 @@ LINEAR_ATTENTION = Task(
     judge=_judge_linear,
     reference=_linear_reference,
     wrong={
-        "no eps": (_linear_no_eps, "add eps"),
-        "ignores the padding mask": (_linear_ignores_mask, "ignores the padding mask"),
-        "padding zeroed in the values only": (_values_masked_only, "numerator only"),
-        "not normalised": (_numerator_only, "not normalised"),
-        "relu feature map": (_linear_relu, "elu(x) + 1"),
-        "eps added to the output": (_eps_outside, "belongs in the denominator"),
-        "softmax attention": (_linear_softmax, "is softmax attention"),
+        "no eps": Wrong(_linear_no_eps, "add eps"),
+        "ignores the padding mask": Wrong(_linear_ignores_mask, "ignores the padding mask"),
+        "padding zeroed in the values only": Wrong(_values_masked_only, "numerator only"),
+        "not normalised": Wrong(_numerator_only, "not normalised"),
+        "relu feature map": Wrong(_linear_relu, "elu(x) + 1"),
+        "eps added to the output": Wrong(_eps_outside, "belongs in the denominator"),
+        "softmax attention": Wrong(_linear_softmax, "is softmax attention"),
     },
 )
 
@@ -332,12 +332,12 @@ CAUSAL_LINEAR_ATTENTION = Task(
     judge=_judge_causal,
     reference=_causal_reference,
     wrong={
-        "sums over the whole sequence (not causal)": (_causal_non_causal, "leaks from the future"),
-        "exclusive prefix sums (j < t)": (_causal_exclusive, "include its own key"),
-        "suffix sums (j >= t)": (_causal_reversed, "summed from the end"),
-        "no eps": (_causal_no_eps, "add eps"),
-        "not normalised": (_causal_unnormalised, "not normalised"),
-        "relu feature map": (_causal_relu, "elu(x) + 1"),
-        "features computed in place": (_causal_loop_in_place, "in place"),
+        "sums over the whole sequence (not causal)": Wrong(_causal_non_causal, "leaks from the future"),
+        "exclusive prefix sums (j < t)": Wrong(_causal_exclusive, "include its own key"),
+        "suffix sums (j >= t)": Wrong(_causal_reversed, "summed from the end"),
+        "no eps": Wrong(_causal_no_eps, "add eps"),
+        "not normalised": Wrong(_causal_unnormalised, "not normalised"),
+        "relu feature map": Wrong(_causal_relu, "elu(x) + 1"),
+        "features computed in place": Wrong(_causal_loop_in_place, "in place", kind="contract"),
     },
 )
