@@ -241,7 +241,8 @@ class _RuledJudge:
         if not calls:
             return checks
         message = delegation_message(calls)
-        return [CheckResult(c.name, False, message, c.points) for c in checks]
+        see_above = "not graded: your function calls the implementation this task asks for (see above)"
+        return [CheckResult(c.name, False, message if i == 0 else see_above, c.points) for i, c in enumerate(checks)]
 
 
 @dataclass(frozen=True)

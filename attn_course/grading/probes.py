@@ -39,9 +39,16 @@ What is measured (keys of ``outcome.probe``)
       is matched by identity. A class name means its ``forward`` (``torch.nn.MultiheadAttention``).
     * The dispatch mode matches aten op names against patterns (``"aten._scaled_dot_product_*"``),
       so PyTorch's fused attention kernels are caught however they were reached
-      (``torch.ops.aten...``, a module's fast path).
+      (``torch.ops.aten...``, a module's fast path). An exact aten name (no ``*``) is also
+      caught at its Python entry point ``torch.ops.aten.<name>``, which matters for composite
+      ops that decompose (math backend) before any dispatch mode sees them.
+
+    Everything that runs during the call counts, at any depth: a library helper that calls a
+    forbidden function is a call to it. So forbid the task's own concept, never a building block
+    the learner may use.
 ``probe_error`` (only when something went wrong)
-    A probe that could not run says so here; the grade then rests on the values alone.
+    What could not be measured, and why (the learner's code replaced the profile hook, a FLOP
+    formula failed). A check that needs a missing measurement fails and says so.
 
 Limits, said plainly: this is in-process detection. It stops the honest shortcut (calling the
 library, or the quadratic form a learner writes without thinking), not a determined cheat: code
@@ -147,6 +154,21 @@ def _code_of(obj: Any) -> CodeType | None:
     return getattr(obj, "__code__", None)
 
 
+def _aten_entry_points(op_name: str) -> list:
+    """The builtins that ``torch.ops.aten.<op_name>(...)`` and its overloads call.
+
+    Composite ops such as ``aten.scaled_dot_product_attention`` may decompose (math backend)
+    before a dispatch mode sees them; the profile hook still sees their Python entry point.
+    """
+    packet = getattr(torch.ops.aten, op_name, None)
+    if packet is None:
+        return []
+    found = [getattr(packet, "_op", None)]
+    for overload in packet.overloads():
+        found.append(getattr(getattr(packet, overload), "_op", None))
+    return [b for b in found if b is not None and not hasattr(b, "__code__")]
+
+
 @lru_cache(maxsize=None)
 def resolve_forbidden(names: tuple[str, ...]) -> _Resolved:
     """Resolve ``Task.forbidden`` names once; raise ``ValueError`` naming one that does not exist.
@@ -159,6 +181,9 @@ def resolve_forbidden(names: tuple[str, ...]) -> _Resolved:
     for name in names:
         if name.startswith("aten."):
             resolved.aten_patterns.append((name, name))
+            if "*" not in name:  # also its Python entry point, for ops that decompose before dispatch
+                for builtin in _aten_entry_points(name[len("aten."):]):
+                    resolved.builtins[id(builtin)] = (builtin, name)
             continue
         try:
             obj = _import_dotted(name)
@@ -187,7 +212,7 @@ def display_name(name: str) -> str:
         except (ImportError, AttributeError):
             pass
     if name.startswith("aten."):
-        return f"PyTorch's fused kernel {name}"
+        return f"PyTorch's {name}"
     return name
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ...attention import scaled_dot_product_attention, stable_softmax
+from .. import probes
 from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
@@ -216,7 +218,10 @@ STABLE_SOFTMAX = Task(
         "exp without normalising": Wrong(_softmax_unnormalised, "without dividing by the row sum"),
         "divides by the sum of the raw scores": Wrong(_softmax_divides_by_raw_sum, "should sum to 1"),
         "max without keepdim=True": Wrong(_softmax_no_keepdim, "keepdim=True"),
-        "NaN on an all -inf row": Wrong(_softmax_nan_on_empty_rows, "gives zeros"),
+        "NaN on an all -inf row": Wrong(
+            _softmax_nan_on_empty_rows, "gives zeros",
+            one_case="only the -inf case has a row with nothing to attend to; on finite rows this softmax is right",
+        ),
         "overwrites its input in place": Wrong(_softmax_in_place, "in place", kind="contract"),
     },
 )
@@ -333,7 +338,9 @@ def _judge_attention(cases, outcomes):
 
 
 def _attention_reference(q, k, v):
-    return scaled_dot_product_attention(q, k, v)
+    # Written out: the task forbids calling an attention implementation (the library's included).
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., L, S)
+    return stable_softmax(scores) @ v  # (..., L, Dv)
 
 
 def _attention_no_scale(q, k, v):
@@ -370,6 +377,20 @@ def _attention_naive_softmax(q, k, v):
     return exps / exps.sum(dim=-1, keepdim=True) @ v
 
 
+def _attention_delegates_to_torch(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _attention_delegates_to_the_course(q, k, v):
+    import attn_course as ac
+
+    return ac.scaled_dot_product_attention(q, k, v)
+
+
+def _attention_through_torch_ops(q, k, v):
+    return torch.ops.aten.scaled_dot_product_attention(q, k, v)
+
+
 def _attention_scales_q_in_place(q, k, v):
     q.mul_(1 / math.sqrt(q.shape[-1]))  # "saves a multiplication" but changes the caller's q
     return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
@@ -392,7 +413,25 @@ ATTENTION = Task(
             _attention_k_transposed_first_axes, "transpose only the last two axes"
         ),
         "returns the weights instead of the output": Wrong(_attention_returns_weights, "weights @ v"),
-        "softmax without max subtraction": Wrong(_attention_naive_softmax, "overflow"),
+        "softmax without max subtraction": Wrong(
+            _attention_naive_softmax, "overflow",
+            one_case="exp() overflows only in the large-scores case; on ordinary scores the naive softmax is exact",
+        ),
         "scales q in place": Wrong(_attention_scales_q_in_place, "in place", kind="contract"),
+        "delegates to F.scaled_dot_product_attention": Wrong(
+            _attention_delegates_to_torch, "you called torch.nn.functional.scaled_dot_product_attention", kind="algorithm"
+        ),
+        "delegates to attn_course.scaled_dot_product_attention": Wrong(
+            _attention_delegates_to_the_course, "you called attn_course.scaled_dot_product_attention", kind="algorithm"
+        ),
+        "reaches PyTorch's kernel through torch.ops.aten": Wrong(
+            _attention_through_torch_ops, "you called PyTorch's aten.", kind="algorithm"
+        ),
     },
+    # The task is the attention formula itself: no attention implementation may do it for the learner.
+    forbidden=(
+        "attn_course.attention.scaled_dot_product_attention",
+        *probes.TORCH_ATTENTION,
+        *probes.TORCH_MULTIHEAD,
+    ),
 )
