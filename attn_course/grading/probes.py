@@ -236,6 +236,11 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+# What measuring an odd op may raise. Not `Exception`: the per-call timeout is an Exception raised
+# by a signal handler wherever the code happens to be, and swallowing it here would loop forever.
+_MEASURING_ERRORS = (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError, AssertionError)
+
+
 class _Recorder(TorchDispatchMode):
     """Sees every aten op while the learner's function runs."""
 
@@ -248,8 +253,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         try:
             self.probe._on_op(func, args, kwargs, out)
-        except Exception as exc:  # a probe must never change what the learner's code computes
+        except _MEASURING_ERRORS as exc:  # a probe must never change what the learner's code computes
             self.probe.errors.append(f"{func}: {type(exc).__name__}: {exc}")
+        # Anything else (the grader's timeout, raised by a signal while this ran) goes on up.
         return out
 
 
