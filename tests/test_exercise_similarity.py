@@ -157,7 +157,8 @@ def lesson_texts(path: Path) -> list[tuple[str, str]]:
             continue
         texts.append((f"code cell {index} (source)", cell.source))
         for output in cell.get("outputs", []):
-            text = output.get("text") if output.get("output_type") == "stream" else output.get("data", {}).get("text/plain")
+            stream = output.get("output_type") == "stream"
+            text = output.get("text") if stream else output.get("data", {}).get("text/plain")
             if isinstance(text, list):
                 text = "".join(text)
             if not text:
@@ -205,13 +206,17 @@ def test_every_solution_has_blocks_and_a_lesson():
 
 def test_the_measure_tells_a_copy_from_a_lesson_that_teaches():
     """Renamed and recommented copies score 1; the same idea written differently scores low."""
-    solution = normalised_tokens("scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])\nreturn torch.softmax(scores, -1) @ v")
+    solution = normalised_tokens(
+        "scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])\nreturn torch.softmax(scores, -1) @ v"
+    )
     copied = normalised_tokens(
         'def f(a, b, c):\n    """Doc."""\n    s = a @ b.transpose(-2, -1) / math.sqrt(a.shape[-1])  # scores\n'
         "    return torch.softmax(s, -1) @ c\n"
     )
     assert similarity(solution, copied) == 1.0
-    other = normalised_tokens("w = torch.einsum('ld,sd->ls', q, k).div(8 ** 0.5).softmax(-1)\nout = torch.einsum('ls,sd->ld', w, v)")
+    other = normalised_tokens(
+        "w = torch.einsum('ld,sd->ls', q, k).div(8 ** 0.5).softmax(-1)\nout = torch.einsum('ls,sd->ld', w, v)"
+    )
     assert similarity(solution, other) < LIMIT
     assert normalised_tokens("x.tril()  # note") == ["ID", ".", "tril", "(", ")"]
 

@@ -80,7 +80,12 @@ alias = ac.causal_mask
 
 @pytest.mark.parametrize(
     "route",
-    [lambda: ac.causal_mask(4, 4), lambda: _imported_by_name(4, 4), lambda: _through_a_helper(4, 4), lambda: alias(4, 4)],
+    [
+        lambda: ac.causal_mask(4, 4),
+        lambda: _imported_by_name(4, 4),
+        lambda: _through_a_helper(4, 4),
+        lambda: alias(4, 4),
+    ],
     ids=["ac.causal_mask", "from attn_course.masks import", "through a helper", "an alias"],
 )
 def test_a_forbidden_python_function_is_caught_whatever_the_route(route):
@@ -91,7 +96,8 @@ def test_building_blocks_stay_allowed():
     q = torch.randn(2, 5, 4)
     found = probe_call(lambda: ac.stable_softmax(q @ q.transpose(-2, -1)) @ q, measure=(), forbidden=ATTENTION)
     assert found["forbidden_calls"] == []
-    assert probe_call(lambda: ac.padding_mask(torch.tensor([2, 3]), 4), measure=(), forbidden=MASKS)["forbidden_calls"] == []
+    found = probe_call(lambda: ac.padding_mask(torch.tensor([2, 3]), 4), measure=(), forbidden=MASKS)
+    assert found["forbidden_calls"] == []
 
 
 def test_pytorchs_attention_is_caught_through_every_door():
@@ -157,6 +163,20 @@ def test_a_timeout_inside_the_probe_leaves_no_trace():
         assert sys.getprofile() is None and _get_current_dispatch_mode() is None
 
 
+def test_a_running_c_profiler_is_left_alone_and_reported():
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        found = probe_call(lambda: ac.causal_mask(3, 3), forbidden=MASKS)
+        still_profiling = sys.getprofile() is profiler
+    finally:
+        profiler.disable()
+    assert still_profiling and found["largest_numel"] == 9
+    assert "profiler was running" in found["probe_error"]
+
+
 def test_a_function_that_removes_the_profile_hook_is_reported():
     def unhooks():
         sys.setprofile(None)
@@ -170,7 +190,8 @@ def test_a_function_that_removes_the_profile_hook_is_reported():
 
 
 def test_probe_data_survives_a_weights_only_round_trip():
-    (outcome,) = run_cases(lambda n: ac.causal_mask(n, n), [Case("n=6", (6,))], measure=("largest", "flops"), forbidden=MASKS)
+    cases = [Case("n=6", (6,))]
+    (outcome,) = run_cases(lambda n: ac.causal_mask(n, n), cases, measure=("largest", "flops"), forbidden=MASKS)
     buffer = io.BytesIO()
     torch.save(outcome.to_plain(), buffer)
     buffer.seek(0)
@@ -186,8 +207,8 @@ def test_from_plain_turns_wrong_types_into_safe_defaults():
     assert odd.error.startswith("<an error") and odd.args_after == () and odd.not_implemented is False
     assert odd.probe == {}
     assert Outcome.from_plain({"probe": ["not", "a", "dict"]}).probe == {}
-    kept = Outcome.from_plain({"probe": {"largest_numel": 5, "largest_shape": "5", "forbidden_calls": ["x"], "b": True}})
-    assert kept.probe == {"largest_numel": 5, "largest_shape": "5", "forbidden_calls": ["x"], "b": True}
+    plain = {"largest_numel": 5, "largest_shape": "5", "forbidden_calls": ["x"], "b": True}
+    assert Outcome.from_plain({"probe": plain}).probe == plain
     with pytest.raises(TypeError, match="must be a dict"):
         Outcome.from_plain(["not", "a", "dict"])
 

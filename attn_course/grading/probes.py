@@ -47,8 +47,14 @@ What is measured (keys of ``outcome.probe``)
     forbidden function is a call to it. So forbid the task's own concept, never a building block
     the learner may use.
 ``probe_error`` (only when something went wrong)
-    What could not be measured, and why (the learner's code replaced the profile hook, a FLOP
+    What could not be measured, and why (the learner's code replaced the profile hook, a
+    C-level profiler such as cProfile was running so no hook could be installed, a FLOP
     formula failed). A check that needs a missing measurement fails and says so.
+
+A fused kernel is one op: its internal buffers are invisible to ``largest`` and FlopCounterMode
+has no formula for the CPU flash kernel, which is one more reason to forbid it where the task is
+attention itself. Cost: some tens of microseconds per aten op (the profile hook is paused inside
+the dispatch mode's own code), nothing when a task declares no probes.
 
 Limits, said plainly: this is in-process detection. It stops the honest shortcut (calling the
 library, or the quadratic form a learner writes without thinking), not a determined cheat: code
@@ -75,7 +81,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "MEASURES",
@@ -229,6 +234,17 @@ def delegation_message(calls: Sequence[str]) -> str:
 # --- the dispatch mode ---------------------------------------------------------------------
 
 
+def _tensors(values: Iterable) -> list[torch.Tensor]:
+    """The tensors among aten arguments or results: tensors, and lists/tuples of them (cat, split)."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage().data_ptr()
@@ -250,12 +266,21 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # No Python function of interest runs inside an aten op: pause the profile hook, which would
+        # otherwise fire on every Python call made here and triple the cost of each op.
+        hook = self.probe._hook if _getprofile() is self.probe._hook else None
+        if hook is not None:
+            _setprofile(None)
         try:
-            self.probe._on_op(func, args, kwargs, out)
-        except _MEASURING_ERRORS as exc:  # a probe must never change what the learner's code computes
-            self.probe.errors.append(f"{func}: {type(exc).__name__}: {exc}")
-        # Anything else (the grader's timeout, raised by a signal while this ran) goes on up.
+            out = func(*args, **kwargs)
+            try:
+                self.probe._on_op(func, args, kwargs, out)
+            except _MEASURING_ERRORS as exc:  # a probe must never change what the learner's code computes
+                self.probe.errors.append(f"{func}: {type(exc).__name__}: {exc}")
+            # Anything else (the grader's timeout, raised by a signal while this ran) goes on up.
+        finally:
+            if hook is not None:
+                _setprofile(hook)
         return out
 
 
@@ -313,8 +338,8 @@ class Probe:
                     self._record_call(op_name)  # the op itself, which says more than the pattern
         if not self.measure:
             return
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs = _tensors(args) + _tensors(kwargs.values())
+        outputs = _tensors((out,))
         if "largest" in self.measure:
             input_storages = {_storage_key(t) for t in inputs}
             for t in outputs:
@@ -333,9 +358,13 @@ class Probe:
 
     def __enter__(self) -> Probe:
         if self.forbidden:
-            self._previous_profile = _getprofile()
-            _setprofile(self._hook)
-            self._profiling = True
+            previous = _getprofile()
+            if previous is None or callable(previous):
+                self._previous_profile = previous
+                _setprofile(self._hook)
+                self._profiling = True
+            else:  # a C-level profiler (cProfile) is running; it cannot be put back once replaced
+                self.errors.append("a profiler was running, so calls to forbidden functions were not watched")
         if self.measure or (self._targets is not None and self._targets.aten_patterns):
             self._mode = _Recorder(self)
             self._mode.__enter__()

@@ -178,7 +178,8 @@ def _judge_linear(cases, outcomes):
             got = returned(outcomes[index], what=case.name)
             expected = linear_attention(*case.args)
             expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_linear(got, *case.args) or "")
+            hint = _diagnose_linear(got, *case.args) or ""
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("never forms an (L, S) matrix: every intermediate stays below L * S elements"):
         for index in (_LONG, _LONG_PADDED):
             case, outcome = cases[index], outcomes[index]
@@ -326,7 +327,8 @@ def _causal_cases() -> list[Case]:
         # Long enough that the (L, L) matrix dwarfs the prefix sums: with M = Dv = 4 the cumsum form
         # holds (B, H, L, M, Dv), 1/8 (then 1/7) of L * L.
         Case("long: q, k, v (1, 2, 256, 4), float64", (randn(1, 2, 256, 4), randn(1, 2, 256, 4), randn(1, 2, 256, 4))),
-        Case("long, no head axis: q, k, v (2, 224, 4), float64", (randn(2, 224, 4), randn(2, 224, 4), randn(2, 224, 4))),
+        Case("long, no head axis: q, k, v (2, 224, 4), float64",
+             (randn(2, 224, 4), randn(2, 224, 4), randn(2, 224, 4))),
     ]
 
 
@@ -433,7 +435,8 @@ def _judge_causal(cases, outcomes):
             got = returned(outcomes[index], what=case.name)
             expected = linear_attention_quadratic(*case.args, is_causal=True)
             expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_causal(got, *case.args) or "")
+            hint = _diagnose_causal(got, *case.args) or ""
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("never forms an (L, L) matrix: every intermediate stays below L * L elements"):
         for index in (_CAUSAL_LONG, _CAUSAL_LONG_2):
             case, outcome = cases[index], outcomes[index]
@@ -561,7 +564,9 @@ CAUSAL_LINEAR_ATTENTION = Task(
         "not normalised": Wrong(_causal_unnormalised, "not normalised"),
         "relu feature map": Wrong(_causal_relu, "elu(x) + 1"),
         "features computed in place": Wrong(_causal_loop_in_place, "in place", kind="contract"),
-        "causal mask on the quadratic form": Wrong(_causal_masked_quadratic, "never forms the (L, L)", kind="algorithm"),
+        "causal mask on the quadratic form": Wrong(
+            _causal_masked_quadratic, "never forms the (L, L)", kind="algorithm"
+        ),
         "loop that fills an (L, L) matrix row by row": Wrong(
             _causal_rows_into_a_matrix, "never forms the (L, L)", kind="algorithm"
         ),
