@@ -533,17 +533,20 @@ def _notebook(path: Path, *sources: str) -> Path:
 CAUSAL = "import torch\ndef causal_mask(L, S):\n    return torch.ones(L, S, dtype=torch.bool).tril()"
 
 
-@pytest.mark.parametrize("missing", ["bwrap", "user namespaces"])
+@pytest.mark.parametrize("missing", ["bwrap", "a recent bwrap", "user namespaces", "Linux"])
 def test_without_a_sandbox_grading_is_refused_with_the_fix(tmp_path, capsys, monkeypatch, missing):
     notebook = _notebook(tmp_path / "03_x.ipynb", CAUSAL)
-    monkeypatch.setattr(sandbox.sys, "platform", "linux")  # the message for macOS is another one
-    if missing == "bwrap":
-        monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
-        fix = "apt-get install bubblewrap"
-    else:
-        monkeypatch.setattr(sandbox.shutil, "which", lambda name: "/usr/bin/bwrap")
-        monkeypatch.setattr(sandbox, "_probe", lambda bwrap, root: "bwrap: No permissions to create new namespace")
-        fix = "run attn-course grade as a normal user" if sandbox.runs_as_root() else "unprivileged_userns_clone"
+    monkeypatch.setattr(sandbox.sys, "platform", "darwin" if missing == "Linux" else "linux")
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if missing == "bwrap" else "/usr/bin/bwrap")
+    options = set(sandbox._REQUIRED_OPTIONS) - ({"--size"} if missing == "a recent bwrap" else set())
+    monkeypatch.setattr(sandbox, "_bwrap_options", lambda bwrap="bwrap": frozenset(options))
+    monkeypatch.setattr(sandbox, "_probe", lambda bwrap, root: "bwrap: No permissions to create new namespace")
+    fix = {
+        "bwrap": "apt-get install bubblewrap",
+        "a recent bwrap": "bubblewrap 0.8 or newer",
+        "user namespaces": "run attn-course grade as a normal user" if sandbox.runs_as_root() else "unprivileged_userns_clone",
+        "Linux": "Linux virtual machine",
+    }[missing]
     assert cli.main(["grade", str(notebook), "--csv", str(tmp_path / "g.csv")]) == 2
     err = capsys.readouterr().err
     assert "none can be made here" in err and fix in err and "--sandbox off" in err

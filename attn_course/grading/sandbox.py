@@ -101,6 +101,20 @@ def uid_for_slot(slot: int) -> int:
     return free[slot]
 
 
+@functools.lru_cache(maxsize=None)
+def _bwrap_options(bwrap: str = "bwrap") -> frozenset[str]:
+    """The options this bwrap knows (they grew over releases: ``--size`` and ``--disable-userns``
+    are recent), read from ``bwrap --help``; empty when it cannot be run."""
+    try:
+        done = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return frozenset(word for word in (done.stdout + done.stderr).split() if word.startswith("--"))
+
+
+_REQUIRED_OPTIONS = ("--size", "--perms", "--info-fd", "--die-with-parent", "--cap-drop", "--remount-ro")
+
+
 def _existing(paths: Iterable[str]) -> list[str]:
     """Each path as given and resolved (a venv is found through the path it was made with), if it exists."""
     found = []
@@ -175,7 +189,9 @@ def command(inner: list[str], *, cells: Path, results: Mapping[str, Path], scrat
         # (it needs CAP_SETUID/CAP_SETGID for that, and nothing else).
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
-        args += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+        args += ["--unshare-user", "--cap-drop", "ALL"]
+        if "--disable-userns" in _bwrap_options():  # bwrap 0.8+: no nested user namespaces
+            args.append("--disable-userns")
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
 
@@ -261,6 +277,10 @@ def check_available() -> None:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise _refuse("the `bwrap` command is not installed", _FIX_INSTALL)
+    missing = [option for option in _REQUIRED_OPTIONS if option not in _bwrap_options(bwrap)]
+    if missing:
+        raise _refuse(f"{bwrap} is too old: it lacks {', '.join(missing)}",
+                      "install bubblewrap 0.8 or newer (Debian 12, Ubuntu 24.04, Fedora 38 and later ship it)")
     complaint = _probe(bwrap, runs_as_root())
     if complaint is not None:
         fix = _FIX_USERNS if not runs_as_root() else (
