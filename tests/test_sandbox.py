@@ -731,3 +731,15 @@ def test_the_progress_bar_counts_done_failed_and_time_left():
     plain.advance(result("graded"))
     assert log.getvalue() == "[1/1] s.ipynb: 0/3 (1 graded; 1.0 s) | 0 failed, done\n"
     assert batch._clock(3725) == "1:02:05" and batch._clock(59.2) == "1:00"
+
+
+def test_a_notebook_the_grader_cannot_start_costs_only_its_rows(tmp_path, monkeypatch):
+    def cannot_start(*args, **kwargs):
+        raise OSError("no such file: bwrap")
+
+    notebook = _notebook(tmp_path / "03_x.ipynb", CAUSAL)
+    monkeypatch.setattr(batch, "_run_child", cannot_start)
+    [result] = batch.grade_batch([notebook], sandbox="off", task_ids=["03.causal_mask"])
+    [row] = result.rows
+    assert (row.status, row.score, row.max_score) == ("crashed", 0.0, 3.0)
+    assert "OSError: no such file: bwrap" in row.feedback

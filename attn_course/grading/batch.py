@@ -805,17 +805,22 @@ def grade_batch(paths: list[str | Path], *, jobs: int = 1, progress: ProgressBar
     for slot in range(jobs):
         slots.put(slot)
     stop = threading.Event()
-    prepared = [_prepare(path, task_ids, sandbox) for path in notebooks]
+    prepared: list[tuple[list[Task], list[str] | None, SubmissionResult]] = []
     limits = dict(timeout_s=timeout_s, memory_mb=memory_mb)
 
     def work(index: int) -> _ChildRun | None:
         tasks, cells, _ = prepared[index]
-        if cells is None or stop.is_set():
-            return None
+        if cells is None:
+            return None  # nothing to run: its rows are already written
+        if stop.is_set():
+            return _ChildRun(0, False, {}, {}, 0.0, sandbox=sandbox, interrupted=True)
         slot = slots.get()
         try:
             return _run_child(cells, tasks, cell_timeout_s=cell_timeout_s, sandbox_mode=sandbox,
                               scratch_mb=scratch_mb, slot=slot, stop=stop, **limits)
+        except Exception as exc:  # e.g. bwrap removed mid-batch: this notebook's rows say so
+            return _ChildRun(-1, False, {}, {}, 0.0, sandbox=sandbox,
+                             setup_error=_printable(f"{type(exc).__name__}: {exc}", 500))
         finally:
             slots.put(slot)
 
@@ -836,11 +841,14 @@ def grade_batch(paths: list[str | Path], *, jobs: int = 1, progress: ProgressBar
             if progress is not None:
                 progress.advance(results[index])
 
-    if progress is not None:
-        progress.start(len(notebooks), jobs)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="attn-course-grade")
-    futures = {executor.submit(work, index): index for index in range(len(notebooks))}
+    futures: dict[concurrent.futures.Future, int] = {}
     try:
+        prepared.extend(_prepare(path, task_ids, sandbox) for path in notebooks)
+        if progress is not None:
+            progress.start(len(notebooks), jobs)
+        for index in range(len(notebooks)):
+            futures[executor.submit(work, index)] = index
         pending = set(futures)
         while pending:
             done, pending = concurrent.futures.wait(pending, timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED)
