@@ -148,6 +148,8 @@ def test_correct_submission_gets_full_marks(graded):
     row = graded["row"]["correct"]
     assert (row["status"], float(row["score"]), float(row["max_score"])) == ("graded", 3.0, 3.0)
     assert row["feedback"] == ""
+    usage = graded["json"]["correct"]
+    assert usage["peak_memory_mb"] > 50 and usage["cpu_seconds"] > 0.1  # it imported torch: measured, not zero
 
 
 def test_untouched_stub_gets_zero(graded):
@@ -268,7 +270,7 @@ def test_a_notebook_past_its_time_limit_is_killed_and_keeps_its_finished_tasks(t
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, "the notebook's background process survived the timeout"
-    assert result.seconds >= 20 and result.peak_memory_mb > 50  # torch was imported: tens of MB at least
+    assert result.seconds >= 20
 
 
 @pytest.mark.parametrize(

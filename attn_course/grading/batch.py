@@ -139,6 +139,7 @@ class SubmissionResult:
     seconds: float = 0.0
     cell_errors: list[dict] = field(default_factory=list)  # reported by the child: info, never graded
     peak_memory_mb: float | None = None  # the largest resident size of one of its processes
+    cpu_seconds: float | None = None  # user + system time of all its processes
     sandbox: str = "bwrap"
 
     @property
@@ -264,6 +265,7 @@ class _ChildRun:
     sandbox: str = "bwrap"
     setup_error: str = ""  # bwrap's complaint when the runner never started
     interrupted: bool = False  # stopped by Ctrl-C: not a result
+    cpu_seconds: float | None = None
 
 
 def _read_back(path: Path, limit: int) -> bytes | str:
@@ -324,6 +326,7 @@ def _run_child(cells: list[str], tasks: list[Task], *, timeout_s: float, memory_
     """Run the cells in a child (sandboxed unless ``sandbox_mode == "off"``); return once all of it is gone."""
     sandboxed = sandbox_mode != "off"
     work = Path(tempfile.mkdtemp(prefix="attn-course-grade-"))  # 0700: only this user
+    pipes: list[int] = []
     try:
         cells_file = work / "cells.json"
         cells_file.write_text(json.dumps(cells))
@@ -335,7 +338,7 @@ def _run_child(cells: list[str], tasks: list[Task], *, timeout_s: float, memory_
             (results_dir / name).touch(mode=0o600)
         options = ["--cell-timeout", str(cell_timeout_s), "--memory-mb", str(memory_mb),
                    "--max-file-mb", str(_MAX_RESULT_BYTES // 2**20)]
-        info_r = info_w = None
+        handshake = None
         if sandboxed:
             if sandboxing.runs_as_root():
                 options += ["--user", str(sandboxing.uid_for_slot(slot))]
@@ -343,117 +346,152 @@ def _run_child(cells: list[str], tasks: list[Task], *, timeout_s: float, memory_
             inner = [sys.executable, "-m", "attn_course.grading.runner", "--cells", sandboxing.CELLS,
                      "--out", sandboxing.RESULTS, *options, "--tasks", *[task.id for task in tasks]]
             info_r, info_w = os.pipe()
+            block_r, block_w = os.pipe()
+            pipes += [info_r, info_w, block_r, block_w]
             argv = sandboxing.command(inner, cells=cells_file, results={name: results_dir / name for name in names},
-                                   scratch_mb=scratch_mb, info_fd=info_w)
+                                      scratch_mb=scratch_mb, info_fd=info_w, block_fd=block_r)
             package_parent = str(Path(__file__).resolve().parents[2])
-            env, cwd, pass_fds = sandboxing.child_env(package_parent=package_parent), work, (info_w,)
+            env, cwd, pass_fds = sandboxing.child_env(package_parent=package_parent), work, (info_w, block_r)
+            handshake = (info_r, block_w)
         else:
             (work / "cwd").mkdir()
             argv = [sys.executable, "-m", "attn_course.grading.runner", "--cells", str(cells_file),
                     "--out", str(results_dir), *options, "--tasks", *[task.id for task in tasks]]
             env, cwd, pass_fds = _host_env(work), work / "cwd", ()
         start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE if sandboxed else subprocess.DEVNULL,
+                                pass_fds=pass_fds, start_new_session=True)
+        for fd in pass_fds:  # the child's ends
+            os.close(fd)
+            pipes.remove(fd)
         try:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE if sandboxed else subprocess.DEVNULL,
-                                    pass_fds=pass_fds, start_new_session=True)
+            waited = _wait(proc, handshake, deadline=start + timeout_s, stop=stop)
         finally:
-            if info_w is not None:
-                os.close(info_w)
-        try:
-            waited = _wait(proc, info_r, deadline=start + timeout_s, stop=stop, sandboxed=sandboxed)
-        finally:
-            if info_r is not None:
-                os.close(info_r)
             if proc.stderr is not None:
                 proc.stderr.close()
-        wait_status, rusage, timed_out, interrupted, stderr = waited
         seconds = time.perf_counter() - start
-        # Every process of the sandbox is gone: read the results into memory, then delete them.
-        files = {name: _read_back(results_dir / name, _MAX_STATUS_BYTES if name == runner.STATUS else _MAX_RESULT_BYTES)
-                 for name in names}
+        if waited.gone:  # every process of the sandbox is gone: read the results into memory, then delete them
+            files = {name: _read_back(results_dir / name,
+                                      _MAX_STATUS_BYTES if name == runner.STATUS else _MAX_RESULT_BYTES)
+                     for name in names}
+        else:
+            files = {name: "its sandbox did not end, so its results were not read" for name in names}
     finally:
+        for fd in pipes:
+            os.close(fd)
         shutil.rmtree(work, ignore_errors=True)
     status = _status_from(files.pop(runner.STATUS))
-    returncode = _exit_code(wait_status, sandboxed=sandboxed)
+    returncode = _exit_code(waited.wait_status, sandboxed=sandboxed)
     setup_error = ""
-    if sandboxed and not status and stderr:
-        setup_error = _printable(stderr.decode("utf-8", errors="replace").strip(), 500)
-    peak = rusage.ru_maxrss / 1024 if rusage is not None else None  # Linux reports kB
-    return _ChildRun(returncode, timed_out, status, files, seconds, peak, "bwrap" if sandboxed else "off",
-                     setup_error, interrupted)
+    if not waited.gone:
+        setup_error = "its sandbox did not end, so its results were not read"
+    elif sandboxed and not status and waited.stderr:
+        setup_error = _printable(waited.stderr.decode("utf-8", errors="replace").strip(), 500)
+    peak, cpu = _usage(status)
+    return _ChildRun(returncode, waited.timed_out, status, files, seconds, peak, "bwrap" if sandboxed else "off",
+                     setup_error, waited.interrupted, cpu)
 
 
-def _wait(proc: subprocess.Popen, info_r: int | None, *, deadline: float, stop: threading.Event | None,
-          sandboxed: bool):
+def _usage(status: dict) -> tuple[float | None, float | None]:
+    """(peak resident MB, CPU seconds) as the runner measured them on itself and its children.
+
+    Reported by the child, so a hostile notebook can misstate them: they inform sizing a machine
+    and never touch a grade. bwrap's own exit status cannot carry them (it does not wait for the
+    namespace's processes), so they come through runner.json.
+    """
+    usage = status.get("usage")
+    values = []
+    for key in ("peak_memory_mb", "cpu_seconds"):
+        value = usage.get(key) if isinstance(usage, dict) else None
+        ok = type(value) in (int, float) and math.isfinite(value) and 0 <= value < 10**7
+        values.append(float(value) if ok else None)
+    return values[0], values[1]
+
+
+@dataclass
+class _Waited:
+    wait_status: int
+    timed_out: bool
+    interrupted: bool
+    gone: bool  # every process of the child is known to have ended
+    stderr: bytes
+
+
+def _wait(proc: subprocess.Popen, handshake: tuple[int, int] | None, *, deadline: float,
+          stop: threading.Event | None) -> _Waited:
     """Wait for the child until ``deadline`` or ``stop``; kill it then; return once all of it is gone.
 
-    In the sandbox, killing the namespace's first process (its host pid comes through
-    ``info_r``) makes the kernel kill every other process in it, and bwrap exits only after that.
-    Returns (wait status, rusage, timed out, interrupted, bwrap's stderr).
+    In the sandbox (``handshake`` = bwrap's info pipe and block pipe), bwrap first reports the
+    host pid of the namespace's first process; this takes a pidfd of it and only then lets the
+    command start (so no notebook code runs before the grader holds it). Killing that process
+    makes the kernel kill every other process of the namespace, and the pidfd becomes readable
+    only when all of them are gone; bwrap itself may exit a little earlier.
     """
     stderr = bytearray()
-    if proc.stderr is not None:
-        os.set_blocking(proc.stderr.fileno(), False)
+    err = proc.stderr.fileno() if proc.stderr is not None else None
+    if err is not None:
+        os.set_blocking(err, False)
+    info_r, block_w = handshake if handshake is not None else (None, None)
     info = bytearray()
-    namespace = None  # a pidfd of the namespace's first process
+    namespace = None  # a pidfd of the namespace's first process; -1 when there is none to have
     killed_at = None
     timed_out = interrupted = False
     while True:
-        pid, wait_status, rusage = os.wait4(proc.pid, os.WNOHANG)
+        pid, wait_status, _ = os.wait4(proc.pid, os.WNOHANG)
         if pid == proc.pid:
             break
-        err = proc.stderr.fileno() if proc.stderr is not None and not proc.stderr.closed else None
-        readable = [fd for fd in (info_r, err) if fd is not None]
-        if info_r is not None and namespace is not None:
-            readable.remove(info_r)
+        readable = [fd for fd in (info_r if namespace is None else None, err) if fd is not None]
         ready = select.select(readable, [], [], _POLL_S)[0] if readable else time.sleep(_POLL_S) or []
-        if info_r in ready and namespace is None:
+        if info_r is not None and info_r in ready:
             chunk = os.read(info_r, 4096)
             info += chunk
             match = re.search(rb'"child-pid"\s*:\s*(\d+)', info)
-            if match:
-                namespace = _open_namespace(int(match.group(1)), proc.pid)
-            elif not chunk:
-                namespace = -1
+            if match or not chunk:
+                namespace = _open_namespace(int(match.group(1)), proc.pid) if match else -1
+                try:
+                    os.write(block_w, b"x")  # let the command start
+                except OSError:  # bwrap already ended
+                    pass
         if err is not None and err in ready:
             try:
-                chunk = os.read(proc.stderr.fileno(), 65536)
+                chunk = os.read(err, 65536)
             except BlockingIOError:
                 chunk = None
             if chunk == b"":  # end of file: bwrap is ending
-                proc.stderr.close()
+                err = None
             elif chunk and len(stderr) < _STDERR_BYTES:
                 stderr += chunk[: _STDERR_BYTES - len(stderr)]
         now = time.perf_counter()
         if killed_at is None and (now >= deadline or (stop is not None and stop.is_set())):
-            timed_out, interrupted = now >= deadline, not now >= deadline
+            timed_out, interrupted = now >= deadline, now < deadline
             killed_at = now
             _kill(proc, namespace)
         elif killed_at is not None and now - killed_at > 10:  # bwrap itself does not end: end it too
             _kill_group(proc)
             killed_at = now
-    proc.returncode = _exit_code(wait_status, sandboxed=sandboxed)  # reaped here, not by Popen
-    if namespace is not None and namespace >= 0:
-        # bwrap normally exits after its namespace is empty; if bwrap itself was killed, wait for that.
+    proc.returncode = _exit_code(wait_status, sandboxed=handshake is not None)  # reaped here, not by Popen
+    gone = True
+    if handshake is None:
+        _kill_group(proc)  # whatever the notebook left behind in its process group (not setsid-ed ones)
+    elif namespace is not None and namespace >= 0:
         if not select.select([namespace], [], [], 10)[0]:
             signal.pidfd_send_signal(namespace, signal.SIGKILL)
-            select.select([namespace], [], [], 10)
+            gone = bool(select.select([namespace], [], [], 10)[0])
         os.close(namespace)
-    if not sandboxed:
-        _kill_group(proc)  # whatever the notebook left behind in its process group (not setsid-ed ones)
-    return wait_status, rusage, timed_out, interrupted, bytes(stderr)
+    # namespace None: bwrap ended before the handshake, so the command never started.
+    return _Waited(wait_status, timed_out, interrupted, gone, bytes(stderr))
 
 
 def _open_namespace(pid: int, monitor: int) -> int:
-    """A pidfd of the namespace's first process ``pid``, or -1 (then the process group is the fallback).
+    """A pidfd of the namespace's first process ``pid``, or -1 when it is already gone.
 
     Checked to be the child of our bwrap (``monitor``): a pid that ended and was reused before
     the pidfd was opened would belong to someone else, whom we must never signal.
     """
     try:
         fd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
+    except OSError:
         return -1
     try:
         found = re.search(r"^PPid:\s*(\d+)", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
@@ -753,6 +791,7 @@ def _finish(path: Path, tasks: list[Task], run: _ChildRun, result: SubmissionRes
             memory_mb: int) -> SubmissionResult:
     result.seconds = run.seconds
     result.peak_memory_mb = run.peak_memory_mb
+    result.cpu_seconds = run.cpu_seconds
     result.cell_errors = _cell_errors(run.status)
     result.rows = [_judge_task(path, task, run, timeout_s=timeout_s, memory_mb=memory_mb) for task in tasks]
     return result
@@ -977,6 +1016,7 @@ def write_json(results: list[SubmissionResult], path: str | Path, *, settings: d
             "sandbox": r.sandbox,
             "seconds": round(r.seconds, 2),
             "peak_memory_mb": None if r.peak_memory_mb is None else round(r.peak_memory_mb, 1),
+            "cpu_seconds": None if r.cpu_seconds is None else round(r.cpu_seconds, 2),
             "cell_errors": r.cell_errors,
             "tasks": [asdict(row) for row in r.rows],
         })

@@ -271,6 +271,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _usage() -> dict:
+    """Peak resident memory (MB) of this process or a child, and CPU seconds of both: for sizing a machine."""
+    import resource  # POSIX only
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    scale = 2**20 if sys.platform == "darwin" else 2**10  # bytes on macOS, kB on Linux
+    return {"peak_memory_mb": max(own.ru_maxrss, children.ru_maxrss) / scale * 1.0,
+            "cpu_seconds": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime}
+
+
 def _silence() -> None:
     """stdout and stderr to /dev/null: nothing a notebook prints reaches the grader."""
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             except BaseException as exc:  # keep going: the other tasks still deserve a grade
                 task_errors[task.id] = _describe(exc)
                 status.update(task_errors=task_errors)
-        status.update(stage="done")
+        status.update(stage="done", usage=_usage())
         return EXIT_OK
     except MemoryError as exc:
         status.update(fatal=_describe(exc))

@@ -112,7 +112,7 @@ def _bwrap_options(bwrap: str = "bwrap") -> frozenset[str]:
     return frozenset(word for word in (done.stdout + done.stderr).split() if word.startswith("--"))
 
 
-_REQUIRED_OPTIONS = ("--size", "--perms", "--info-fd", "--die-with-parent", "--cap-drop", "--remount-ro")
+_REQUIRED_OPTIONS = ("--size", "--perms", "--info-fd", "--block-fd", "--die-with-parent", "--cap-drop", "--remount-ro")
 
 
 def _existing(paths: Iterable[str]) -> list[str]:
@@ -168,7 +168,7 @@ def child_env(*, package_parent: str, extra: Mapping[str, str] | None = None) ->
 
 
 def command(inner: list[str], *, cells: Path, results: Mapping[str, Path], scratch_mb: int,
-            info_fd: int | None = None) -> list[str]:
+            info_fd: int | None = None, block_fd: int | None = None) -> list[str]:
     """The ``bwrap`` command line that runs ``inner`` in a fresh sandbox.
 
     Args:
@@ -179,6 +179,7 @@ def command(inner: list[str], *, cells: Path, results: Mapping[str, Path], scrat
         scratch_mb: size of the in-memory ``/scratch`` (also ``/tmp``, ``$HOME``).
         info_fd: a file descriptor bwrap writes ``{"child-pid": N}`` to, N being the host pid
             of the namespace's first process (killing it ends the whole sandbox).
+        block_fd: bwrap waits to start ``inner`` until this file descriptor has data (or ends).
     """
     if scratch_mb <= 0:
         raise ValueError(f"scratch_mb must be positive, got {scratch_mb}")
@@ -194,6 +195,8 @@ def command(inner: list[str], *, cells: Path, results: Mapping[str, Path], scrat
             args.append("--disable-userns")
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
+    if block_fd is not None:
+        args += ["--block-fd", str(block_fd)]
 
     mounts = environment_paths()
     inside = mounts + [CELLS, *(f"{RESULTS}/{name}" for name in results), SCRATCH]
@@ -274,6 +277,12 @@ def check_available() -> None:
     if not sys.platform.startswith("linux"):
         raise _refuse(f"bubblewrap needs Linux (this is {sys.platform})",
                       "grade on a Linux machine or in a Linux virtual machine (on macOS, e.g. a Lima or Docker VM)")
+    if not hasattr(os, "pidfd_open"):
+        raise _refuse("this Python has no os.pidfd_open", "use Python 3.9 or newer on Linux 5.3 or newer")
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError as exc:
+        raise _refuse(f"the kernel has no pidfd_open ({exc.strerror})", "use Linux 5.3 or newer") from None
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise _refuse("the `bwrap` command is not installed", _FIX_INSTALL)
