@@ -743,3 +743,24 @@ def test_a_notebook_the_grader_cannot_start_costs_only_its_rows(tmp_path, monkey
     [row] = result.rows
     assert (row.status, row.score, row.max_score) == ("crashed", 0.0, 3.0)
     assert "OSError: no such file: bwrap" in row.feedback
+
+
+@pytest.mark.parametrize("kind", ["deep JSON", "source of numbers", "symlink", "fifo", "too large"])
+def test_a_hostile_notebook_file_is_unreadable_not_a_crash(tmp_path, monkeypatch, kind):
+    classmate = _notebook(tmp_path / "alice" / "03_masking.ipynb", CAUSAL)
+    path = tmp_path / "bob" / "03_masking.ipynb"
+    path.parent.mkdir()
+    if kind == "deep JSON":
+        path.write_text('{"cells": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif kind == "source of numbers":
+        path.write_text(json.dumps({"cells": [{"cell_type": "code", "source": [1, 2]}]}))
+    elif kind == "symlink":  # bob hands in alice's work
+        path.symlink_to(classmate)
+    elif kind == "fifo":  # reading it would wait forever
+        os.mkfifo(path)
+    else:
+        monkeypatch.setattr(batch, "_MAX_NOTEBOOK_BYTES", 100)
+        path.write_bytes(classmate.read_bytes())
+    rows = batch.grade_notebook(path, sandbox="off").rows  # no child starts: the file is refused first
+    assert [(row.status, row.score) for row in rows] == [("unreadable", 0.0)] * 3
+    assert {"symlink": "a symbolic link", "fifo": "not a regular file", "too large": "too large"}.get(kind, "") in rows[0].feedback

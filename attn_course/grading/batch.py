@@ -85,6 +85,7 @@ _LESSON_FILES = {lesson.filename for lesson in LESSONS}
 # with big tensors, and stop a result file from being a memory bomb.
 _MAX_RESULT_BYTES = 64 * 2**20  # also the child's largest file (RLIMIT_FSIZE)
 _MAX_STATUS_BYTES = 2**20  # runner.json
+_MAX_NOTEBOOK_BYTES = 100 * 2**20  # a submitted notebook (with its outputs and images: a few MB)
 _MAX_ENTRIES = 10_000  # files in a saved result's zip
 _MAX_VALUES = 100_000  # values (tensors, numbers, strings, containers) in one saved result
 _MAX_DEPTH = 32
@@ -231,11 +232,18 @@ def tasks_for_notebook(path: Path, task_ids: list[str] | None = None) -> list[Ta
 
 
 def _code_cells(path: Path) -> list[str]:
-    """The code cells' sources; ValueError when the file is not an nbformat-4 notebook."""
+    """The code cells' sources; ValueError when the file is not an nbformat-4 notebook.
+
+    The file is the student's too: it is not followed if it is a symbolic link, read only up to
+    ``_MAX_NOTEBOOK_BYTES``, and any JSON at all (nested deep, odd types) gives sources or a ValueError.
+    """
+    data = _read_back(path, _MAX_NOTEBOOK_BYTES)
+    if isinstance(data, str):
+        raise ValueError(f"not a readable notebook ({'a symbolic link' if path.is_symlink() else data})")
     try:
-        notebook = json.loads(path.read_bytes())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"not a readable notebook (invalid JSON: {exc})") from None
+        notebook = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"not a readable notebook (invalid JSON: {_printable(str(exc), 200)})") from None
     cells = notebook.get("cells") if isinstance(notebook, dict) else None
     if not isinstance(cells, list):
         raise ValueError("not a Jupyter notebook in nbformat 4 (no list of cells)")
@@ -245,7 +253,11 @@ def _code_cells(path: Path) -> list[str]:
             sources.append("")  # keep indices equal to the notebook's cell numbers
             continue
         source = cell.get("source", "")
-        sources.append("".join(source) if isinstance(source, list) else str(source))
+        if isinstance(source, list) and all(isinstance(line, str) for line in source):
+            source = "".join(source)
+        if not isinstance(source, str):
+            raise ValueError("not a Jupyter notebook in nbformat 4 (a cell's source is not text)")
+        sources.append(source)
     return sources
 
 
@@ -687,7 +699,7 @@ def _why_missing(run: _ChildRun, timeout_s: float, memory_mb: int) -> tuple[str,
     if run.returncode == runner.EXIT_MEMORY or "MemoryError" in fatal or run.returncode == -signal.SIGKILL:
         return "memory", f"the notebook ran out of memory (limit {memory_mb} MB) before this task could be graded"
     if run.setup_error:
-        return "crashed", f"the sandbox could not start the notebook ({run.setup_error})"
+        return "crashed", f"the notebook could not be started ({run.setup_error})"
     if run.returncode < 0:
         name = signal.Signals(-run.returncode).name if -run.returncode in signal.valid_signals() else "?"
         return "crashed", f"the notebook crashed the grading process ({name}) before this task could be graded"
@@ -802,7 +814,7 @@ def grade_notebook(path: str | Path, *, task_ids: list[str] | None = None, timeo
                    scratch_mb: int = 256) -> SubmissionResult:
     """Grade one notebook in a child process (in a sandbox unless ``sandbox="off"``); every task gets a row.
 
-    Raises ``sandboxing.SandboxUnavailable`` when a sandbox is asked for and none can be made.
+    Raises ``attn_course.grading.sandbox.SandboxUnavailable`` when a sandbox is asked for and none can be made.
     """
     _check_mode(sandbox)
     path = Path(path)
