@@ -289,7 +289,7 @@ def check_available() -> None:
     missing = [option for option in _REQUIRED_OPTIONS if option not in _bwrap_options(bwrap)]
     if missing:
         raise _refuse(f"{bwrap} is too old: it lacks {', '.join(missing)}",
-                      "install bubblewrap 0.8 or newer (Debian 12, Ubuntu 24.04, Fedora 38 and later ship it)")
+                      "install a newer bubblewrap (0.8.0, Debian 12's, has every option needed)")
     complaint = _probe(bwrap, runs_as_root())
     if complaint is not None:
         fix = _FIX_USERNS if not runs_as_root() else (
