@@ -14,6 +14,7 @@ hostile-data checks at the end need no sandbox (they feed the grader's reader di
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
@@ -764,3 +765,23 @@ def test_a_hostile_notebook_file_is_unreadable_not_a_crash(tmp_path, monkeypatch
     rows = batch.grade_notebook(path, sandbox="off").rows  # no child starts: the file is refused first
     assert [(row.status, row.score) for row in rows] == [("unreadable", 0.0)] * 3
     assert {"symlink": "a symbolic link", "fifo": "not a regular file", "too large": "too large"}.get(kind, "") in rows[0].feedback
+
+
+def test_stretch_tasks_are_counted_apart_in_every_output(tmp_path):
+    core_task, stretch_task = TASKS["03.causal_mask"], copy.copy(TASKS["03.padding_mask"])
+    object.__setattr__(stretch_task, "stretch", True)  # what a stretch task says (Task.stretch)
+    path = Path("alice/03_masking.ipynb")
+    rows = [batch._zero_row(path, core_task, "graded", "wrong"), batch._zero_row(path, stretch_task, "graded", "wrong")]
+    rows[0].score = 2.0
+    result = batch.SubmissionResult(str(path), "alice", rows)
+    assert (result.totals(stretch=False), result.totals(stretch=True)) == ((2.0, 3.0), (0.0, 3.0))
+    batch.write_csv([result], tmp_path / "g.csv")
+    with open(tmp_path / "g.csv", newline="") as f:
+        assert [(r["task"], r["stretch"]) for r in csv.DictReader(f)] == [(core_task.id, "False"), (stretch_task.id, "True")]
+    batch.write_json([result], tmp_path / "g.json")
+    [sub] = json.loads((tmp_path / "g.json").read_text())["submissions"]
+    assert (sub["core_score"], sub["core_max_score"], sub["stretch_score"], sub["stretch_max_score"]) == (2, 3, 0, 3)
+    assert (sub["score"], sub["max_score"]) == (2, 6)
+    table = batch.summary_table([result])
+    assert "03.padding_mask  stretch  0/3" in table and "03.causal_mask   core     2/3" in table
+    assert "alice    2/3   0/3      alice/03_masking.ipynb" in table  # core and stretch totals
