@@ -112,19 +112,19 @@ for pid in pids:
             leaks.append(f"/proc/{pid}/root{path}")
         except OSError:
             pass
-os.symlink(C["read"][0], "/scratch/link")
+os.symlink(C["read"][0], C["scratch"] + "/link")
 try:
-    open("/scratch/link", "rb").read(1)
+    open(C["scratch"] + "/link", "rb").read(1)
     leaks.append("read through a symlink")
 except OSError:
     pass
-for name in os.listdir("/grading/results"):
-    for attempt in (lambda: os.replace("/scratch/link", f"/grading/results/{name}"),
-                    lambda: os.unlink(f"/grading/results/{name}"),
-                    lambda: os.symlink(C["read"][0], f"/grading/results/{name}.link")):
+for name in os.listdir(C["results"]):
+    for attempt in (lambda: os.replace(C["scratch"] + "/link", f"{C['results']}/{name}"),
+                    lambda: os.unlink(f"{C['results']}/{name}"),
+                    lambda: os.symlink(C["read"][0], f"{C['results']}/{name}.link")):
         try:
             attempt()
-            leaks.append(f"changed /grading/results/{name}")
+            leaks.append(f"changed {name}")
         except OSError:
             pass
 if len(pids) > 12:
@@ -208,7 +208,7 @@ _report("daemon started", [])
 FILL = '''
 import errno, os
 written = {}
-for folder in ("/scratch", "/tmp", os.path.expanduser("~"), "/dev/shm"):
+for folder in (C["scratch"], "/tmp", os.path.expanduser("~"), "/dev/shm"):
     total = 0
     try:
         with open(os.path.join(folder, "fill"), "wb") as f:
@@ -221,7 +221,7 @@ for folder in ("/scratch", "/tmp", os.path.expanduser("~"), "/dev/shm"):
     os.remove(os.path.join(folder, "fill"))
     os.sync()
 leaks = [f"{folder}: {mb} MB" for folder, (mb, _) in written.items() if mb > C["scratch_mb"]]
-leaks += [f"{folder}: no limit" for folder in ("/scratch", "/dev/shm") if folder not in written]
+leaks += [f"{folder}: no limit" for folder in (C["scratch"], "/dev/shm") if folder not in written]
 _report("fill " + str(sorted(written.items())), leaks)
 '''
 
@@ -233,11 +233,11 @@ import glob, os, time
 seen = set()
 end = time.time() + 5
 while time.time() < end:
-    for pattern in ["/grading/*", "/proc/*/root/grading/*", "/scratch/*", "/proc/*/cmdline"] + C["globs"]:
+    for pattern in ["/sandbox/*", "/proc/*/root/sandbox/*", C["scratch"] + "/*", "/proc/*/cmdline"] + C["globs"]:
         seen.update(glob.glob(pattern))
     time.sleep(0.2)
-own = {"/grading/cells.json", "/grading/results"}
-others = sorted(p for p in seen if p not in own and not p.startswith(("/proc/", "/scratch/.")))
+own = {"/sandbox/cells.json", "/sandbox/results", C["scratch"]}
+others = sorted(p for p in seen if p not in own and not p.startswith(("/proc/", C["scratch"] + "/.")))
 pids = sorted({p.split("/")[2] for p in seen if p.startswith("/proc/") and p.endswith("cmdline")})
 cmdlines = " ".join(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace") for pid in pids if os.path.exists(f"/proc/{pid}/cmdline"))
 if "ipynb" in cmdlines or "carol" in cmdlines:
@@ -355,7 +355,9 @@ def attacked(tmp_path_factory):
         "secret": SECRET,
         "sentinel": sentinel.pid,
         "marker": marker,
-        "results_globs": ["/tmp/attn-course-grade-*/results/*", "/grading/../../tmp/attn-course-grade-*/results/*"],
+        "results_globs": ["/tmp/attn-course-grade-*/results/*", "/sandbox/../tmp/attn-course-grade-*/results/*"],
+        "scratch": sandbox.SCRATCH,
+        "results": sandbox.RESULTS,
         "scratch_mb": SCRATCH_MB,
     }
     for name, source in CLEAN.items():
@@ -455,7 +457,7 @@ def test_left_behind_processes_die_with_their_notebook(run):
 
 def test_filling_the_disk_stops_at_the_scratch_size(run):
     [fill] = [r for r in _cell_reports(run, "d_daemon") if "BLOCKED fill" in r]
-    assert "'/scratch'" in fill and "ENOSPC" in fill and "'/dev/shm'" in fill
+    assert f"'{sandbox.SCRATCH}'" in fill and "ENOSPC" in fill and "'/dev/shm'" in fill
 
 
 def test_a_notebook_waiting_for_the_next_one_sees_nothing_of_it(run):
@@ -785,3 +787,14 @@ def test_stretch_tasks_are_counted_apart_in_every_output(tmp_path):
     table = batch.summary_table([result])
     assert "03.padding_mask  stretch  0/3" in table and "03.causal_mask   core     2/3" in table
     assert "alice    2/3   0/3      alice/03_masking.ipynb" in table  # core and stretch totals
+
+
+def test_an_environment_under_tmp_keeps_tmp_and_one_under_the_sandbox_folders_is_refused(tmp_path, monkeypatch):
+    cells, result = tmp_path / "cells.json", tmp_path / "r.pt"
+    monkeypatch.setattr(sandbox, "environment_paths", lambda: ["/usr", "/tmp/ci/venv"])
+    argv = sandbox.command(["python"], cells=cells, results={"r.pt": result}, scratch_mb=64)
+    assert ("--ro-bind", "/tmp/ci/venv") == tuple(argv[argv.index("/tmp/ci/venv") - 1:argv.index("/tmp/ci/venv") + 1])
+    assert "/tmp" not in [argv[i + 2] for i in range(len(argv) - 2) if argv[i] == "--symlink"]
+    monkeypatch.setattr(sandbox, "environment_paths", lambda: ["/usr", f"{sandbox.ROOT}/venv"])
+    with pytest.raises(sandbox.SandboxUnavailable, match="install the course elsewhere"):
+        sandbox.command(["python"], cells=cells, results={"r.pt": result}, scratch_mb=64)

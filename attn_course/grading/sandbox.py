@@ -12,9 +12,9 @@ builds the ``bwrap`` command around that process (bubblewrap, the Debian package
   site-packages, the ``attn_course`` package, the dynamic loader's cache), mounted at the same
   paths as outside, with nothing else of the host: no ``/home``, ``/root``, ``/tmp``, ``/run``
   (no daemon sockets), no other submission and no grader work folder;
-- one writable folder, ``/scratch`` (also ``$HOME``, ``$TMPDIR`` and ``/tmp``): a fresh
+- one writable folder, ``/sandbox/scratch`` (also ``$HOME``, ``$TMPDIR`` and ``/tmp``): a fresh
   in-memory filesystem of ``scratch_mb`` megabytes that vanishes with the sandbox;
-- its results: ``/grading/results/<name>``, files the grader created empty before it started,
+- its results: ``/sandbox/results/<name>``, files the grader created empty before it started,
   each bind-mounted writable on its own (the folder around them is read-only, so nothing can be
   added, renamed or replaced by a symlink); the grader reads them once the namespace is gone;
 - no capabilities. Run by an ordinary user, bwrap puts the child in a new user namespace and
@@ -54,9 +54,10 @@ __all__ = [
     "runs_as_root",
 ]
 
-SCRATCH = "/scratch"  # the only writable folder inside
-CELLS = "/grading/cells.json"  # read-only inside
-RESULTS = "/grading/results"  # a read-only folder of writable files
+ROOT = "/sandbox"  # the sandbox's own folders, inside; nothing of the host may lie there
+SCRATCH = f"{ROOT}/scratch"  # the only writable folder inside
+CELLS = f"{ROOT}/cells.json"  # read-only inside
+RESULTS = f"{ROOT}/results"  # a read-only folder of writable files
 HOSTNAME = "grading"
 SHM_MB = 16  # /dev/shm: enough for multiprocessing's semaphores, not a second scratch disk
 # Top-level links of a merged-/usr system (/bin -> usr/bin ...) are recreated as links.
@@ -140,11 +141,15 @@ def environment_paths() -> list[str]:
     return _outermost(["/usr", *_existing(candidates)])
 
 
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
 def _outermost(paths: Iterable[str]) -> list[str]:
     """The paths that are not inside another one of them, sorted."""
     kept: list[str] = []
     for path in sorted(set(paths), key=lambda p: (p.count("/"), p)):
-        if path != "/" and not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
+        if path != "/" and not any(_under(path, k) for k in kept):
             kept.append(path)
     return sorted(kept)
 
@@ -176,7 +181,8 @@ def command(inner: list[str], *, cells: Path, results: Mapping[str, Path], scrat
         cells: host file mounted read-only at ``CELLS``.
         results: ``{name: host file}``, each mounted writable at ``RESULTS/name``; the files
             must exist (the grader creates them empty).
-        scratch_mb: size of the in-memory ``/scratch`` (also ``/tmp``, ``$HOME``).
+        scratch_mb: size of the in-memory ``SCRATCH`` (also ``$HOME``, and ``/tmp`` unless the
+            Python environment itself lies under ``/tmp``).
         info_fd: a file descriptor bwrap writes ``{"child-pid": N}`` to, N being the host pid
             of the namespace's first process (killing it ends the whole sandbox).
         block_fd: bwrap waits to start ``inner`` until this file descriptor has data (or ends).
@@ -199,9 +205,14 @@ def command(inner: list[str], *, cells: Path, results: Mapping[str, Path], scrat
         args += ["--block-fd", str(block_fd)]
 
     mounts = environment_paths()
+    clash = [m for m in mounts if _under(m, ROOT) or _under(m, "/proc") or _under(m, "/dev")]
+    if clash:
+        raise SandboxUnavailable(f"the Python environment lies under {clash[0]}, where the sandbox mounts its own "
+                                 f"folders ({ROOT}, /proc, /dev): install the course elsewhere")
+    tmp_is_scratch = not any(_under(m, "/tmp") for m in mounts)  # else /tmp holds the environment, read-only
     inside = mounts + [CELLS, *(f"{RESULTS}/{name}" for name in results), SCRATCH]
     parents = sorted({str(parent) for path in inside for parent in Path(path).parents
-                      if str(parent) != "/" and not any(str(parent) == m or str(parent).startswith(m + "/") for m in mounts)},
+                      if str(parent) != "/" and not any(_under(str(parent), m) for m in mounts)},
                      key=lambda p: (p.count("/"), p))
     for link in _TOP_LEVEL:
         if os.path.islink(link):
@@ -218,7 +229,7 @@ def command(inner: list[str], *, cells: Path, results: Mapping[str, Path], scrat
     args += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "01777", "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
              "--perms", "01777", "--size", str(scratch_mb * 2**20), "--tmpfs", SCRATCH,
-             "--symlink", SCRATCH, "/tmp",
+             *(["--symlink", SCRATCH, "/tmp"] if tmp_is_scratch else []),
              "--ro-bind", str(cells), CELLS]
     for name, host in results.items():
         if "/" in name or name in ("", ".", ".."):
