@@ -216,10 +216,10 @@ for folder in (C["scratch"], "/tmp", os.path.expanduser("~"), "/dev/shm"):
                 f.write(b"x" * 2**20)
                 f.flush()
                 total += 2**20
-    except OSError as exc:
+    except OSError as exc:  # ENOSPC when full; EROFS for a /tmp that holds the Python environment
         written[folder] = (total // 2**20, errno.errorcode.get(exc.errno))
-    os.remove(os.path.join(folder, "fill"))
-    os.sync()
+    if os.path.exists(os.path.join(folder, "fill")):
+        os.remove(os.path.join(folder, "fill"))
 leaks = [f"{folder}: {mb} MB" for folder, (mb, _) in written.items() if mb > C["scratch_mb"]]
 leaks += [f"{folder}: no limit" for folder in (C["scratch"], "/dev/shm") if folder not in written]
 _report("fill " + str(sorted(written.items())), leaks)
@@ -466,9 +466,13 @@ def test_a_notebook_waiting_for_the_next_one_sees_nothing_of_it(run):
 
 
 def test_replacing_every_grading_callable_costs_only_that_notebook(run):
+    # Which part of the child breaks first depends on the grading code it patched: either it
+    # saves garbage (the TypeError in Outcome.from_plain, now a malformed record) or it
+    # fails while saving. Either way: that notebook's rows are crashed, the batch goes on.
     rows = [row for row in run["rows"] if row["student"] == "f_patcher"]
     assert [(row["status"], float(row["score"])) for row in rows] == [("crashed", 0.0)] * 3
-    assert all("could not be read back (malformed" in row["feedback"] for row in rows), rows
+    assert all("could not be read back (malformed" in row["feedback"] or "failed in the notebook's process"
+               in row["feedback"] for row in rows), rows
 
 
 def test_forged_result_files_become_crashed_rows(run):
