@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "check_int",
     "check_positive_int",
     "check_tensor",
     "check_qkv",
@@ -58,13 +59,22 @@ def shape_str(shape: torch.Size | tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(n)) for n in shape) + ")"
 
 
-def check_positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int >= 1 (a length, a size, a count); TypeError/ValueError otherwise."""
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum``; TypeError (not an int) or ValueError (too small) otherwise.
+
+    The one integer validator of the package: a ``bool`` is refused although Python counts it
+    as an int (``num_heads=True`` is a mistake, not a 1).
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1 (a length, a size, a count); TypeError/ValueError otherwise."""
+    return check_int(name, value, minimum=1)
 
 
 def check_tensor(name: str, x: object, *, min_dim: int = 1, floating: bool = True) -> torch.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_mask, check_tensor, shape_str, weights_keyword
+from ._checks import check_mask, check_positive_int, check_tensor, shape_str, weights_keyword
 from .attention import scaled_dot_product_attention
 from .masks import causal_mask
 from .multihead import MultiHeadAttention, merge_heads, split_heads
@@ -40,12 +40,6 @@ __all__ = [
 ]
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """``(B, Hkv, S, D)`` -> ``(B, Hkv * groups, S, D)``: each K/V head repeated for its query group.
 
@@ -56,7 +50,7 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     check_tensor("x", x, min_dim=1)
     if x.dim() != 4:
         raise ValueError(f"x must be (B, Hkv, S, D), got shape {shape_str(x.shape)}")
-    groups = _positive_int("groups", groups)
+    groups = check_positive_int("groups", groups)
     return x.repeat_interleave(groups, dim=1)  # (B, Hkv * groups, S, D)
 
 
@@ -186,7 +180,7 @@ class GroupedQueryAttention(MultiHeadAttention):
         super().__init__(
             d_model, num_heads, bias=bias, dropout=dropout, kdim=kdim, vdim=vdim, fused=fused, device=device, dtype=dtype
         )
-        num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             choices = [h for h in range(1, num_heads + 1) if num_heads % h == 0]
             raise ValueError(
@@ -305,7 +299,7 @@ def kv_cache_bytes(
         ("head_dim", head_dim),
         ("num_layers", num_layers),
     ):
-        _positive_int(name, value)
+        check_positive_int(name, value)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -328,7 +322,7 @@ def compare_kv_cache_memory(
     1 (MQA). Each row: ``name``, ``num_kv_heads``, ``bytes``, ``mib``, and ``fraction`` (of
     the MHA cache, i.e. ``num_kv_heads / num_heads``).
     """
-    d_model, num_heads = _positive_int("d_model", d_model), _positive_int("num_heads", num_heads)
+    d_model, num_heads = check_positive_int("d_model", d_model), check_positive_int("num_heads", num_heads)
     if d_model % num_heads != 0:
         raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
     head_dim = d_model // num_heads
@@ -340,7 +334,7 @@ def compare_kv_cache_memory(
     )
     rows = []
     for count in kv_heads:
-        count = _positive_int("num_kv_heads", count)
+        count = check_positive_int("num_kv_heads", count)
         if num_heads % count != 0:
             raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={count}")
         name = "MHA" if count == num_heads else "MQA" if count == 1 else f"GQA-{count}"

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str
+from ._checks import check_positive_int, check_tensor, shape_str
 from .bench import time_call
-from .grouped import GroupedQueryAttention, _positive_int, grouped_attention
+from .grouped import GroupedQueryAttention, grouped_attention
 from .masks import causal_mask, combine_masks
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 
@@ -56,10 +56,10 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.max_length = _positive_int("max_length", max_length)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.max_length = check_positive_int("max_length", max_length)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
@@ -207,9 +207,9 @@ def measure_decoding_speed(
     generation (``full_s``, ``cached_s``), the ``speedup`` (``full_s / cached_s``) and
     ``max_abs_diff`` between the two loops' outputs (they compute the same thing).
     """
-    prompt_length = _positive_int("prompt_length", prompt_length)
-    new_tokens = _positive_int("new_tokens", new_tokens)
-    repeats = _positive_int("repeats", repeats)
+    prompt_length = check_positive_int("prompt_length", prompt_length)
+    new_tokens = check_positive_int("new_tokens", new_tokens)
+    repeats = check_positive_int("repeats", repeats)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     weight = module.q_proj.weight

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ._checks import shape_str
+from ._checks import check_int, check_positive_int, shape_str
 from .multihead import MultiHeadAttention
 
 __all__ = ["TinyAttentionConfig", "TinyAttentionModel", "token_influence"]
@@ -52,11 +52,8 @@ class TinyAttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_classes", "max_len", "d_model", "num_heads", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, int) or self.mlp_ratio < 0:
-            raise ValueError(f"mlp_ratio must be an int >= 0, got {self.mlp_ratio!r}")
+            check_positive_int(name, getattr(self, name))
+        check_int("mlp_ratio", self.mlp_ratio, minimum=0)
 
 
 class _Block(nn.Module):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str
+from ._checks import check_positive_int, check_tensor, shape_str
 from .attention import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "split_heads", "merge_heads"]
@@ -78,9 +78,8 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("d_model", d_model)
+        check_positive_int("num_heads", num_heads)
         if d_model % num_heads != 0:
             divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise ValueError(

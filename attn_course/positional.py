@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str
+from ._checks import check_positive_int, check_tensor, shape_str
 from .attention import scaled_dot_product_attention
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 
@@ -42,14 +42,8 @@ __all__ = [
 ]
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _check_even(name: str, value: int) -> int:
-    _check_positive_int(name, value)
+    check_positive_int(name, value)
     if value % 2:
         raise ValueError(f"{name} must be even (features come in sine/cosine pairs), got {value}")
     return value
@@ -115,8 +109,8 @@ class LearnedPositionalEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.max_len = _check_positive_int("max_len", max_len)
-        self.d_model = _check_positive_int("d_model", d_model)
+        self.max_len = check_positive_int("max_len", max_len)
+        self.d_model = check_positive_int("d_model", d_model)
         self.weight = nn.Parameter(torch.empty(max_len, d_model, device=device, dtype=dtype))
         nn.init.trunc_normal_(self.weight, std=0.02)
 
@@ -142,7 +136,7 @@ def relative_positions(length: int, *, device: torch.device | str | None = None,
 
     Column ``c`` of the position scores holds offset ``L - 1 - c``.
     """
-    length = _check_positive_int("length", length)
+    length = check_positive_int("length", length)
     return torch.arange(length - 1, -length, -1, device=device, dtype=dtype)  # (2L-1,)
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_positive_int, check_qkv, shape_str
+from ._checks import check_int, check_mask, check_positive_int, check_qkv, shape_str
 from .attention import scaled_dot_product_attention
 from .chunked import PartialAttention, finish_partial, merge_partials, partial_attention
 
@@ -58,10 +58,7 @@ def _check_pattern(pattern: object, size: object, num_global: object) -> tuple[s
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     size = check_positive_int("size", size)
-    if isinstance(num_global, bool) or not isinstance(num_global, int):
-        raise TypeError(f"num_global must be an int, got {type(num_global).__name__} ({num_global!r})")
-    if num_global < 0:
-        raise ValueError(f"num_global must be >= 0, got {num_global}")
+    num_global = check_int("num_global", num_global, minimum=0)
     return pattern, size, num_global
 
 

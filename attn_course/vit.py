@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str, weights_keyword
+from ._checks import check_positive_int, check_tensor, shape_str, weights_keyword
 from .models import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
 from .multihead import MultiHeadAttention
 from .positional import LearnedPositionalEmbedding
@@ -81,9 +81,7 @@ class ViTConfig:
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model", "depth", "num_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
+            check_positive_int(f"ViTConfig.{name}", getattr(self, name))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"patch_size={self.patch_size} must divide image_size={self.image_size} (patches tile the image)"
@@ -138,8 +136,7 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     images = check_tensor("images", images, min_dim=4)
     if images.dim() != 4:
         raise ValueError(f"images must be (B, C, H, W), got shape {shape_str(images.shape)}")
-    if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
-        raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
+    check_positive_int("patch_size", patch_size)
     B, C, H, W = images.shape
     p = patch_size
     if H % p or W % p:

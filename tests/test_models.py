@@ -77,7 +77,7 @@ def test_model_rejects_bad_tokens():
         model(torch.zeros(1, 13, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[0, 7\)"):
         model(torch.full((1, 3), 7))
-    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+    with pytest.raises(ValueError, match="num_heads must be >= 1, got 0"):
         TinyAttentionConfig(vocab_size=3, num_classes=3, max_len=4, num_heads=0)
     with pytest.raises(ValueError, match="not divisible"):
         _model(d_model=10, num_heads=3)
