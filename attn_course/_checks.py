@@ -19,6 +19,7 @@ __all__ = [
     "check_tensor",
     "check_qkv",
     "check_mask",
+    "check_key_mask",
     "shape_str",
     "weights_keyword",
     "WEIGHTS_ALIASES",
@@ -139,7 +140,13 @@ def check_qkv(q: object, k: object, v: object) -> tuple[int, int, torch.Size]:
 
 
 def check_mask(mask: object, target_shape: torch.Size | tuple[int, ...], *, device: torch.device) -> torch.Tensor:
-    """Validate a bool (True = may attend) or float (additive) mask against ``(..., L, S)``."""
+    """Validate a bool (True = may attend) or float (additive) mask against ``(..., L, S)``.
+
+    Any shape that broadcasts to ``target_shape`` is accepted, as the docstrings promise: a
+    scalar, a 1-D ``(S,)`` key mask, ``(L, 1)``, ``(B, 1, 1, S)``, ... The mask is returned with
+    at least two dims (a view: ``(S,)`` becomes ``(1, S)``, a scalar ``(1, 1)``), so that code
+    reading its query axis ``mask.shape[-2]`` or slicing ``mask[..., 0, :]`` works for every one.
+    """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
@@ -168,4 +175,27 @@ def check_mask(mask: object, target_shape: torch.Size | tuple[int, ...], *, devi
             f"mask of shape {shape_str(mask.shape)} does not broadcast to the scores' shape "
             f"(..., L, S) = {shape_str(target)}.{hint}"
         )
+    if mask.dim() < 2:
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))  # (1, S) or (1, 1), a view
     return mask
+
+
+def check_key_mask(
+    mask: object, batch_shape: torch.Size, *, L: int, S: int, device: torch.device, who: str, why: str
+) -> torch.Tensor:
+    """Validate the key-padding mask of an attention that never forms the ``(L, S)`` matrix.
+
+    Sparse and linear attention take a bool mask (True = real token) broadcastable to
+    ``(..., 1, S)``: a scalar, ``(S,)``, ``(1, S)``, ``(B, 1, 1, S)``, ``(B, H, 1, S)``, ``(B, 1, 1, 1)``.
+    A mask with a real query axis ``(..., L, S)`` is refused, saying ``why``. Returns the mask
+    as ``(..., 1, S)`` (a view: broadcast axes are expanded, nothing is copied).
+    """
+    if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-2] == L != 1:
+        raise ValueError(
+            f"{who} takes a key-padding mask of shape (..., 1, S), got {shape_str(mask.shape)}: {why}. "
+            "For padding use padding_mask(lengths)[:, None, None, :] -> (B, 1, 1, S)."
+        )
+    mask = check_mask(mask, (*batch_shape, 1, S), device=device)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{who} takes a boolean key mask (True = real token), got dtype {mask.dtype}")
+    return mask.expand(*mask.shape[:-1], S)  # (..., 1, S)
