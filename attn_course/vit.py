@@ -65,6 +65,9 @@ class ViTConfig:
         attention_dropout: dropout on the attention weights.
         patch_embedding: ``"conv"`` (a ``p x p`` conv with stride ``p``) or ``"linear"``
             (:func:`patchify` then ``nn.Linear``); the same function, two spellings.
+        layer_norm_eps: the ``eps`` of every LayerNorm (the two in each block and the final
+            one). 1e-6, as in the original ViT code and timm, so that weights ported from them
+            give the same logits; PyTorch's own default, 1e-5, shifts them by about 5e-5.
     """
 
     image_size: int = 8
@@ -78,6 +81,7 @@ class ViTConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     patch_embedding: Literal["conv", "linear"] = "conv"
+    layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model", "depth", "num_heads"):
@@ -95,6 +99,10 @@ class ViTConfig:
                 raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.patch_embedding not in ("conv", "linear"):
             raise ValueError(f"patch_embedding must be 'conv' or 'linear', got {self.patch_embedding!r}")
+        if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, (int, float)):
+            raise TypeError(f"ViTConfig.layer_norm_eps must be a float, got {type(self.layer_norm_eps).__name__}")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"ViTConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps}")
 
     @property
     def num_patches(self) -> int:
@@ -196,7 +204,10 @@ class PatchEmbedding(nn.Module):
 
 
 class ViTBlock(nn.Module):
-    """Pre-norm transformer block: ``x + MHA(LN(x))``, then ``x + MLP(LN(x))`` on ``(B, N, E)``."""
+    """Pre-norm transformer block: ``x + MHA(LN(x))``, then ``x + MLP(LN(x))`` on ``(B, N, E)``.
+
+    ``layer_norm_eps`` is the LayerNorms' ``eps`` (1e-6, the original ViT's and timm's).
+    """
 
     def __init__(
         self,
@@ -206,15 +217,16 @@ class ViTBlock(nn.Module):
         *,
         dropout: float = 0.0,
         attention_dropout: float = 0.0,
+        layer_norm_eps: float = 1e-6,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = nn.LayerNorm(d_model, **factory)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, **factory)
         self.attention = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, **factory)
         self.dropout1 = nn.Dropout(dropout)
-        self.norm2 = nn.LayerNorm(d_model, **factory)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, **factory)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, mlp_dim, **factory),
             nn.GELU(),
@@ -265,11 +277,12 @@ class VisionTransformer(nn.Module):
                 config.mlp_dim,
                 dropout=config.dropout,
                 attention_dropout=config.attention_dropout,
+                layer_norm_eps=config.layer_norm_eps,
                 **factory,
             )
             for _ in range(config.depth)
         )
-        self.norm = nn.LayerNorm(config.d_model, **factory)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, **factory)
         self.head = nn.Linear(config.d_model, config.num_classes, **factory)
         self._init_weights()
 
