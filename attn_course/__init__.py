@@ -28,11 +28,12 @@ from .diagnostics import (
     find_nonfinite,
     format_gradient_norms,
     gradient_norms,
+    token_influence,
     track_gradient_norms,
 )
 from .dynamic import DynamicHeadAttention
-from .grouped import GroupedQueryAttention, compare_kv_cache_memory, grouped_attention, kv_cache_bytes, repeat_kv
-from .kv_cache import KVCache, decode_step, measure_decoding_speed
+from .grouped import GroupedQueryAttention, grouped_attention, repeat_kv
+from .kv_cache import KVCache, compare_kv_cache_memory, decode_step, kv_cache_bytes, measure_decoding_speed
 from .linear import (
     LinearAttentionState,
     RandomFeatureMap,
@@ -50,6 +51,7 @@ from .masks import (
     mask_to_bias,
     padding_mask,
     to_blocked_mask,
+    with_causal,
 )
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 from .positional import (
@@ -76,6 +78,7 @@ __all__ = [
     "causal_mask",
     "chunked_attention",
     "combine_masks",
+    "with_causal",
     "compare_kv_cache_memory",
     "ConformerClassifier",
     "ConformerConfig",
@@ -129,6 +132,7 @@ __all__ = [
     "split_heads",
     "stable_softmax",
     "to_blocked_mask",
+    "token_influence",
     "track_gradient_norms",
     "VisionTransformer",
     "ViTConfig",

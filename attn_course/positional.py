@@ -35,9 +35,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ._checks import check_positive_int, check_tensor, shape_str
-from .attention import scaled_dot_product_attention
-from .multihead import MultiHeadAttention, merge_heads, split_heads
+from ._checks import check_mask, check_positive_int, check_tensor, shape_str
+from .multihead import MultiHeadAttention, split_heads
 
 __all__ = [
     "sinusoidal_encoding",
@@ -212,9 +211,9 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
                       * scale
 
     The position term is computed for the ``2L - 1`` offsets, mapped to ``(L, L)`` with
-    :func:`rel_shift`, and handed to the package's ``scaled_dot_product_attention`` as an
-    additive bias (with ``-inf`` where ``mask`` forbids). Reuses ``MultiHeadAttention``'s
-    projections, head split/merge and input checks.
+    :func:`rel_shift`, and handed to ``MultiHeadAttention``'s attention step as an additive
+    bias (with ``-inf`` where ``mask`` forbids): only :meth:`attend` is overridden; the
+    projections, head split/merge and input checks are ``MultiHeadAttention``'s.
 
     Args:
         d_model, num_heads, dropout, bias, device, dtype: as for ``MultiHeadAttention``.
@@ -266,38 +265,30 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
         ``(B, S)`` needs ``[:, None, None, :]``). Returns ``out`` ``(B, L, E)``, or
         ``(out, weights)`` with weights ``(B, H, L, L)``.
         """
-        self._check_inputs(x, x, x)
-        q = split_heads(self.q_proj(x), self.num_heads)  # (B, H, L, D)
-        k = split_heads(self.k_proj(x), self.num_heads)  # (B, H, L, D)
-        v = split_heads(self.v_proj(x), self.num_heads)  # (B, H, L, D)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        bias = self.position_scores(q) * scale  # (B, H, L, L)
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"mask must be a bool tensor (True = may attend), got {got}")
+        self._check_inputs(x, x, x, mask)
+        return self._project_attend_merge(x, x, x, need_weights=need_weights, mask=mask)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        mask: torch.Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``MultiHeadAttention``'s attention step with the two position terms of Transformer-XL.
+
+        The position term :meth:`position_scores` (scaled) becomes an additive bias, ``-inf``
+        where the bool ``mask`` forbids; ``u`` is added to the queries for the content term.
+        q, k, v ``(B, H, L, D)`` -> ``(context (B, H, L, D), weights (B, H, L, L) or None)``.
+        """
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"relative positions need self-attention: q {shape_str(q.shape)}, k {shape_str(k.shape)}")
+        bias = self.position_scores(q) * (1.0 / math.sqrt(self.head_dim))  # (B, H, L, L), scaled like the scores
         if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-                got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-                raise TypeError(f"mask must be a bool tensor (True = may attend), got {got}")
-            try:
-                torch.broadcast_shapes(mask.shape, bias.shape)
-            except RuntimeError:
-                raise ValueError(
-                    f"mask of shape {shape_str(mask.shape)} does not broadcast to (B, H, L, L) = "
-                    f"{shape_str(bias.shape)}; a (B, S) padding mask needs mask[:, None, None, :]"
-                ) from None
+            mask = check_mask(mask, bias.shape, device=q.device)  # bool, broadcastable to (B, H, L, L)
             bias = bias.masked_fill(~mask, float("-inf"))  # (B, H, L, L)
-        q_u = q + self.pos_bias_u[:, None, :].to(q.dtype)  # (B, H, L, D)
-        attended = scaled_dot_product_attention(
-            q_u,
-            k,
-            v,
-            bias,
-            scale=scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            fused=None if self.fused else False,
-        )
-        context, weights = attended if need_weights else (attended, None)  # (B, H, L, D)
-        out = self.out_proj(merge_heads(context))  # (B, L, E)
-        return (out, weights) if need_weights else out
+        q_u = q + self.pos_bias_u[:, None, :].to(q.dtype)  # (B, H, L, D), the content term's query
+        return super().attend(q_u, k, v, mask=bias, is_causal=is_causal, need_weights=need_weights)
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_positive_int, check_tensor, shape_str, weights_keyword
-from .models import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
+from .diagnostics import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
 from .multihead import MultiHeadAttention
 from .positional import LearnedPositionalEmbedding
 
