@@ -32,7 +32,7 @@ import ipywidgets as widgets
 import torch
 from matplotlib.figure import Figure
 
-from ._checks import shape_str
+from ._checks import check_int, check_positive_int, shape_str
 from .attention import scaled_dot_product_attention
 from .masks import causal_mask, combine_masks, padding_mask
 from .sparse import PATTERNS, pattern_mask
@@ -249,8 +249,7 @@ class ScaleExplorer(_Explorer):
         save_dir: str | Path = ".",
     ) -> None:
         self.length = _check_cap(length, what="length")
-        if isinstance(max_d_k, bool) or not isinstance(max_d_k, int) or max_d_k < 1:
-            raise ValueError(f"max_d_k must be a positive int, got {max_d_k!r}")
+        check_positive_int("max_d_k", max_d_k)
         self.d_k_options = [2**i for i in range(int(math.log2(max_d_k)) + 1)]
         generator = torch.Generator().manual_seed(seed)
         self.q = torch.randn(self.length, self.d_k_options[-1], generator=generator, dtype=torch.float64)  # (L, D)
@@ -450,8 +449,7 @@ class PatternExplorer(_Explorer):
             raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
         _check_cap(length, what="length")
         _check_cap(size, what="size")
-        if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 0:
-            raise ValueError(f"num_global must be an int >= 0, got {num_global!r}")
+        check_int("num_global", num_global, minimum=0)
 
     def _sync_size_label(self, change: dict) -> None:
         self.size.description = self.SIZE_LABELS[change["new"]]
