@@ -322,13 +322,15 @@ class ScaleExplorer(_Explorer):
 class MaskExplorer(_Explorer):
     """Causal, padding and combined masks for one sequence, and the weights they leave.
 
-    ``valid_length`` real tokens are followed by padding up to ``length``. The padding mask
-    blocks padded *keys* (every query, padded or not, may still read the real tokens). With
-    ``valid_length = 0`` every row is fully masked: the library returns zero weights there.
+    ``valid_length`` real tokens are followed by padding up to ``length`` (or, for the kind
+    ``"causal + left padding"``, preceded by it). The padding mask blocks padded *keys* (every
+    query, padded or not, may still read the real tokens it is allowed to). With
+    ``valid_length = 0`` every row is fully masked, and with left padding under a causal mask
+    the padding queries are: the library returns zero weights there. Used in lesson 03.
     """
 
     name = "mask"
-    KINDS = ("none", "causal", "padding", "causal + padding")
+    KINDS = ("none", "causal", "padding", "causal + padding", "causal + left padding")
 
     def __init__(
         self,
@@ -375,6 +377,8 @@ class MaskExplorer(_Explorer):
         everything = torch.ones(length, length, dtype=torch.bool)  # (L, S)
         causal = causal_mask(length) if "causal" in kind else None  # (L, S)
         padding = padding_mask([valid_length], length) if "padding" in kind else None  # (1, S)
+        if "left padding" in kind:
+            padding = padding.flip(-1)  # (1, S): the real tokens are the last valid_length positions
         return combine_masks(everything, causal, padding)  # (L, S)
 
     def weights(self, *, kind: str, length: int, valid_length: int) -> torch.Tensor:
@@ -389,7 +393,8 @@ class MaskExplorer(_Explorer):
         mask = self.mask(kind=kind, length=length, valid_length=valid_length)
         weights = self.weights(kind=kind, length=length, valid_length=valid_length)
         empty = int((~mask.any(-1)).sum())
-        labels = [str(i) if i < valid_length else f"{i}·" for i in range(length)]
+        first_real = length - valid_length if "left padding" in kind else 0
+        labels = [str(i) if first_real <= i < first_real + valid_length else f"{i}·" for i in range(length)]
         fig = Figure(figsize=(9.5, 4.0), layout="constrained")
         left, right = fig.subplots(1, 2)
         plot_mask(mask, ax=left, query_labels=labels, key_labels=labels, title=f"{kind} mask: blue = may attend")
