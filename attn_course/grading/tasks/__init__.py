@@ -29,6 +29,7 @@ TASKS: dict[str, Task] = {
         lesson08.ATTENTION_ENTROPY,
         lesson08.QK_NORM_ATTENTION,
         lesson08.FIRST_NONFINITE_MODULE,
+        lesson08.FIRST_NONFINITE_GRADIENT,
         lesson09.PATCHIFY,
         lesson09.CLASS_TOKEN_AND_POSITIONS,
         lesson09.VIT_ATTENTION,
@@ -37,6 +38,7 @@ TASKS: dict[str, Task] = {
         lesson11.REPEAT_KV,
         lesson11.DECODE_ATTENTION,
         lesson11.ROTARY,
+        lesson11.ROPE_GENERATION,
     )
 }
 
