@@ -17,8 +17,8 @@ __all__ = ["REPEAT_KV", "DECODE_ATTENTION", "ROTARY", "ROPE_GENERATION"]
 
 
 # --- 11.repeat_kv --------------------------------------------------------------------------
-# The learner writes repeat_kv(x, groups): (B, Hkv, S, D) -> (B, Hkv * groups, S, D), each
-# K/V head repeated for the `groups` query heads that share it (query head h reads h // groups).
+# The learner writes repeat_kv(x, n_rep): (B, Hkv, S, D) -> (B, Hkv * n_rep, S, D), each K/V
+# head repeated for the n_rep = H / Hkv query heads that share it (query head h reads h // n_rep).
 
 
 def _head_codes(B: int, H: int, S: int, D: int) -> torch.Tensor:
@@ -32,22 +32,22 @@ def _head_codes(B: int, H: int, S: int, D: int) -> torch.Tensor:
 
 def _repeat_cases() -> list[Case]:
     return [
-        Case("x (2, 2, 3, 4) with entries 1000 b + 100 h + 10 s + d, groups=3", (_head_codes(2, 2, 3, 4), 3)),
-        Case("x (1, 3, 2, 2), groups=2", (_head_codes(1, 3, 2, 2), 2)),
-        Case("multi-query: x (2, 1, 5, 2), groups=4", (_head_codes(2, 1, 5, 2), 4)),
-        Case("groups=1 changes nothing: x (1, 4, 2, 3)", (_head_codes(1, 4, 2, 3), 1)),
+        Case("x (2, 2, 3, 4) with entries 1000 b + 100 h + 10 s + d, n_rep=3", (_head_codes(2, 2, 3, 4), 3)),
+        Case("x (1, 3, 2, 2), n_rep=2", (_head_codes(1, 3, 2, 2), 2)),
+        Case("multi-query: x (2, 1, 5, 2), n_rep=4", (_head_codes(2, 1, 5, 2), 4)),
+        Case("n_rep=1 changes nothing: x (1, 4, 2, 3)", (_head_codes(1, 4, 2, 3), 1)),
     ]
 
 
 def _repeat_shape_hint(got: torch.Tensor, x: torch.Tensor, groups: int) -> str:
     B, H, S, D = x.shape
     if tuple(got.shape) == (B, H, groups, S, D):
-        return "You expanded a new axis but did not merge it into the head axis: reshape to (B, Hkv * groups, S, D)."
+        return "You expanded a new axis but did not merge it into the head axis: reshape to (B, Hkv * n_rep, S, D)."
     if tuple(got.shape) == (B, H, S * groups, D):
         return "You repeated along the sequence axis (dim=2); the copies belong on the head axis (dim=1)."
     if got.dim() == 1:
         return "repeat_interleave without dim= flattens the tensor: pass dim=1."
-    return "The result has Hkv * groups heads: (B, Hkv * groups, S, D)."
+    return "The result has Hkv * n_rep heads: (B, Hkv * n_rep, S, D)."
 
 
 def _diagnose_repeat(got: torch.Tensor, x: torch.Tensor, groups: int) -> str | None:
@@ -70,18 +70,18 @@ def _diagnose_repeat(got: torch.Tensor, x: torch.Tensor, groups: int) -> str | N
     if len(wrong) == 0:
         return None
     b, h, s, d = (int(i) for i in wrong[0])
-    return f"Output head {h} should be a copy of K/V head {h} // {groups} = {h // groups}."
+    return f"Output head {h} should be a copy of K/V head {h} // {groups} = {h // groups} (h // n_rep)."
 
 
 def _judge_repeat(cases, outcomes):
     checklist = Checklist()
-    with checklist.check("shape (B, Hkv * groups, S, D) and the input's dtype"):
+    with checklist.check("shape (B, Hkv * n_rep, S, D) and the input's dtype"):
         for case, _, got in answered(cases, outcomes):
             x, groups = case.args
             B, H, S, D = x.shape
             expect_shape(got, (B, H * groups, S, D), what=case.name, hint=_repeat_shape_hint(got, x, groups))
             expect_dtype(got, x.dtype, what=case.name)
-    with checklist.check("query head h reads K/V head h // groups"):
+    with checklist.check("query head h reads K/V head h // n_rep"):
         for index in (0, 1, 2):
             case, outcome = cases[index], outcomes[index]
             x, groups = case.args
@@ -89,7 +89,7 @@ def _judge_repeat(cases, outcomes):
             expect_shape(got, repeat_kv(x, groups).shape, what=case.name, hint=_repeat_shape_hint(got, x, groups))
             expect_close(got, repeat_kv(x, groups), what=case.name, atol=0.0, rtol=0.0,
                          hint=_diagnose_repeat(got, x, groups) or "")
-    with checklist.check("groups=1 returns the same values"):
+    with checklist.check("n_rep=1 returns the same values"):
         case, outcome = cases[3], outcomes[3]
         x, groups = case.args
         got = returned(outcome, what=case.name)
