@@ -438,7 +438,7 @@ def _rotary_ignores_positions(x, positions):
 
 
 def _rotary_in_place(x, positions):
-    rotated = _rotate_pairs(x, positions)
+    rotated = _rotate_pairs(x.double(), positions).to(x.dtype)  # right values, in every dtype
     x.copy_(rotated)
     return x
 
