@@ -482,20 +482,24 @@ def _rope_qkv(layer, x: torch.Tensor, start: int, *, rotate=apply_rotary, rotate
 
 
 def _generate_cached(layer, prompt, steps, *, position=None, see_self=True, **rotation):
-    """Cached generation; the keyword arguments put in one classic mistake each (for the catalogue)."""
+    """Cached generation; the keyword arguments put in one classic mistake each (for the catalogue).
+
+    The explicit attention path (``fused=False``): for these tiny shapes PyTorch's fused CPU kernel
+    wakes its thread pool at every call, which costs more than the arithmetic on a loaded machine.
+    """
     P = prompt.shape[1]
     position = position or (lambda i: P + i - 1)  # the absolute position of the input of step i >= 1
     q, keys, values = _rope_qkv(layer, prompt, 0, **rotation)  # (B, H, P, D) each
     # Only the last prompt position's output is used, and it sees the whole prompt: causal or not, the same.
-    context = scaled_dot_product_attention(q, keys, values, is_causal=True)  # (B, H, P, D)
+    context = scaled_dot_product_attention(q, keys, values, is_causal=True, fused=False)  # (B, H, P, D)
     generated = [layer.out_proj(merge_heads(context[:, :, -1:]))]  # [(B, 1, E)]
     for i in range(1, steps):
         q, k, v = _rope_qkv(layer, generated[-1], position(i), **rotation)  # (B, H, 1, D) each
         if see_self:
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)  # (B, H, S, D)
-            context = scaled_dot_product_attention(q, keys, values)  # (B, H, 1, D): one query sees all
+            context = scaled_dot_product_attention(q, keys, values, fused=False)  # (B, H, 1, D): one query sees all
         else:
-            context = scaled_dot_product_attention(q, keys, values)  # the new key is not in the cache yet
+            context = scaled_dot_product_attention(q, keys, values, fused=False)  # the new key is not in the cache yet
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
         generated.append(layer.out_proj(merge_heads(context)))  # (B, 1, E)
     return torch.cat(generated, dim=1)  # (B, steps, E)
@@ -512,7 +516,7 @@ def _generate_full_recompute(layer, prompt, steps):
     with torch.no_grad():
         for _ in range(steps):
             q, k, v = _rope_qkv(layer, sequence, 0)  # (B, H, t, D) each
-            context = scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, t, D)
+            context = scaled_dot_product_attention(q, k, v, is_causal=True, fused=False)  # (B, H, t, D)
             sequence = torch.cat([sequence, layer.out_proj(merge_heads(context))[:, -1:]], dim=1)
     return sequence[:, prompt.shape[1] :]  # (B, steps, E)
 
