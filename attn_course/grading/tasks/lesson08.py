@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -123,6 +124,11 @@ def _judge_entropy(cases, outcomes):
 
 
 def _entropy_reference(weights):
+    safe = torch.where(weights > 0, weights, torch.ones_like(weights))  # log 1 = 0 where w = 0
+    return -(weights * torch.log(safe)).sum(dim=-1)  # (..., L)
+
+
+def _entropy_delegates(weights):
     return attention_entropy(weights)
 
 
@@ -177,7 +183,12 @@ ATTENTION_ENTROPY = Task(
         "one number for everything (the article's check)": Wrong(_entropy_article_scalar, "one entropy per row"),
         "clamps the weights in place": Wrong(_entropy_clamps_in_place, "in place", kind="contract"),
         "normalised by log(S)": Wrong(_entropy_normalized, "normalised entropy"),
+        "calls attn_course.attention_entropy": Wrong(
+            _entropy_delegates, "you called attn_course.attention_entropy", kind="algorithm"
+        ),
     },
+    # The task is the entropy with 0 log 0 = 0: the course's diagnostics may not compute it for the learner.
+    forbidden=("attn_course.diagnostics.attention_entropy", "attn_course.diagnostics.attention_stats"),
 )
 
 
@@ -431,10 +442,33 @@ _SEQUENTIAL, _NESTED, _OVERFLOW, _ORDER, _HEALTHY = range(5)
 
 
 def _first_nonfinite_reference(model, x):
+    """The judge's answer: the library's NaN hunter."""
     with find_nonfinite(model) as tracker:
         model(x)
     event = tracker.first
     return None if event is None else event.name
+
+
+def _first_nonfinite_written_out(model, x):
+    """The task's reference: forward hooks, written out (the library's find_nonfinite is forbidden)."""
+    bad, handles = [], []
+    for name, module in model.named_modules():
+        def hook(module, args, output, name=name):
+            if not bad and not torch.isfinite(output).all():
+                bad.append(name)
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return bad[0] if bad else None
+
+
+def _nonfinite_delegates(model, x):
+    return _first_nonfinite_reference(model, x)
 
 
 def _bad_modules(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]:
@@ -604,14 +638,18 @@ FIRST_NONFINITE_MODULE = Task(
     function_name="first_nonfinite_module",
     make_cases=_nonfinite_cases,
     judge=_judge_nonfinite,
-    reference=_first_nonfinite_reference,
+    reference=_first_nonfinite_written_out,
     wrong={
         "returns the last module to report (a container)": Wrong(_nonfinite_last_reported, "container"),
         "tests isnan only": Wrong(_nonfinite_isnan_only, "torch.isfinite"),
         "reports the first bad input": Wrong(_nonfinite_first_bad_input, "INPUT was already bad"),
         "definition order instead of execution order": Wrong(_nonfinite_definition_order, "definition order"),
         "checks the parameters, not the outputs": Wrong(_nonfinite_checks_parameters, "found nothing"),
+        "calls attn_course.find_nonfinite": Wrong(
+            _nonfinite_delegates, "you called attn_course.find_nonfinite", kind="algorithm"
+        ),
     },
+    forbidden=("attn_course.diagnostics.find_nonfinite",),
 )
 
 
@@ -731,10 +769,21 @@ _G_PLAIN, _G_NESTED, _G_ACOS, _G_SQRT, _G_ORDER, _G_HEALTHY = range(6)
 
 
 def _first_nonfinite_gradient_reference(model, x):
+    """The judge's answer: the library's NaN hunter, watching the backward pass."""
     with find_nonfinite(model, backward=True) as tracker:
         model(x).sum().backward()
     event = tracker.first_backward
     return None if event is None else event.name
+
+
+def _first_nonfinite_gradient_written_out(model, x):
+    """The task's reference: full backward hooks, written out (find_nonfinite is forbidden)."""
+    bad = _gradient_hooks(model, x, test=_nonfinite)
+    return bad[0] if bad else None
+
+
+def _gradient_delegates(model, x):
+    return _first_nonfinite_gradient_reference(model, x)
 
 
 def _backward_reports(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]:
@@ -761,8 +810,6 @@ def _backward_reports(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]
 
         handles.append(module.register_full_backward_hook(hook))
     try:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
             model.zero_grad(set_to_none=True)
@@ -882,7 +929,9 @@ def _gradient_hooks(model, x, *, test, use_output=False):
 
         handles.append(module.register_full_backward_hook(hook))
     try:
-        model(x).sum().backward()
+        with warnings.catch_warnings():  # the first layer's hook fires although its input needs no gradient
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            model(x).sum().backward()
     finally:
         for handle in handles:
             handle.remove()
@@ -924,17 +973,22 @@ def _gradient_forward_only(model, x):
 
 FIRST_NONFINITE_GRADIENT = Task(
     id="08.first_nonfinite_gradient",
-    title="Find the first module whose gradient is NaN/inf (stretch)",
+    title="Find the first module whose gradient is NaN/inf",
     function_name="first_nonfinite_gradient",
     make_cases=_gradient_cases,
     judge=_judge_gradient,
-    reference=_first_nonfinite_gradient_reference,
+    reference=_first_nonfinite_gradient_written_out,
     wrong={
-        "watches the forward pass only": (_gradient_forward_only, "found nothing"),
-        "returns the last module to report": (_gradient_last_reported, "LAST module"),
-        "tests isnan only": (_gradient_isnan_only, "torch.isfinite"),
-        "checks grad_output instead of grad_input": (_gradient_checks_grad_output, "ARRIVING"),
-        "definition order instead of backward order": (_gradient_definition_order, "definition order"),
-        "checks the parameters' gradients": (_gradient_checks_parameters, "parameters got non-finite gradients"),
+        "watches the forward pass only": Wrong(_gradient_forward_only, "found nothing"),
+        "returns the last module to report": Wrong(_gradient_last_reported, "LAST module"),
+        "tests isnan only": Wrong(_gradient_isnan_only, "torch.isfinite"),
+        "checks grad_output instead of grad_input": Wrong(_gradient_checks_grad_output, "ARRIVING"),
+        "definition order instead of backward order": Wrong(_gradient_definition_order, "definition order"),
+        "checks the parameters' gradients": Wrong(_gradient_checks_parameters, "parameters got non-finite gradients"),
+        "calls attn_course.find_nonfinite": Wrong(
+            _gradient_delegates, "you called attn_course.find_nonfinite", kind="algorithm"
+        ),
     },
+    stretch=True,
+    forbidden=("attn_course.diagnostics.find_nonfinite",),
 )

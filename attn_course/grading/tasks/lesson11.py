@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ...attention import scaled_dot_product_attention
@@ -10,7 +12,15 @@ from ...masks import causal_mask
 from ...multihead import MultiHeadAttention, merge_heads, split_heads
 from ...positional import apply_rotary
 from ..core import Case, Fail, Task, Wrong
-from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
+from ..judging import (
+    Checklist,
+    expect_close,
+    expect_dtype,
+    expect_flops_at_most,
+    expect_inputs_unchanged,
+    expect_shape,
+)
+from ..probes import probe_call
 from ._common import answered, first_match, returned, seeded_randn
 
 __all__ = ["REPEAT_KV", "DECODE_ATTENTION", "ROTARY", "ROPE_GENERATION"]
@@ -56,7 +66,8 @@ def _diagnose_repeat(got: torch.Tensor, x: torch.Tensor, groups: int) -> str | N
         [
             (lambda: x.repeat(1, groups, 1, 1),
              "your heads come out in the order 0, 1, 0, 1, ... (torch.repeat tiles the whole head axis). Query head h "
-             "must read K/V head h // groups, i.e. 0, 0, 1, 1, ...: use x.repeat_interleave(groups, dim=1)."),
+             "must read K/V head h // n_rep, i.e. 0, 0, 1, 1, ...: each head repeated n_rep times in a row, next to "
+             "itself."),
         ],
         atol=0.0,
         rtol=0.0,
@@ -101,6 +112,11 @@ def _judge_repeat(cases, outcomes):
 
 
 def _repeat_reference(x, groups):
+    B, H, S, D = x.shape
+    return x[:, :, None].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)  # (B, H * n_rep, S, D)
+
+
+def _repeat_delegates(x, groups):
     return repeat_kv(x, groups)
 
 
@@ -133,12 +149,14 @@ REPEAT_KV = Task(
     judge=_judge_repeat,
     reference=_repeat_reference,
     wrong={
-        "tiles with torch.repeat (0, 1, 0, 1)": Wrong(_repeat_tiled, "repeat_interleave(groups, dim=1)"),
+        "tiles with torch.repeat (0, 1, 0, 1)": Wrong(_repeat_tiled, "each head repeated n_rep times in a row"),
         "repeats along the sequence axis": Wrong(_repeat_sequence_axis, "sequence axis"),
         "expands without merging the new axis": Wrong(_repeat_no_merge, "did not merge"),
         "repeat_interleave without dim": Wrong(_repeat_flattened, "without dim="),
         "head h reads (h + 1) // groups": Wrong(_repeat_off_by_one, "should be a copy of K/V head"),
+        "calls attn_course.repeat_kv": Wrong(_repeat_delegates, "you called attn_course.repeat_kv", kind="algorithm"),
     },
+    forbidden=("attn_course.repeat_kv",),
 )
 
 
@@ -306,8 +324,17 @@ def _low_precision_hint(got: torch.Tensor, x: torch.Tensor, positions: torch.Ten
 
 
 def _rotary_reference(x, positions):
-    # Rotated in float64 and cast once: right in every dtype, whatever the library does with low precision.
+    # Written out (the library's rotary is forbidden); rotated in float64 and cast once: right in every dtype.
+    return _rotate_pairs(x.double(), positions).to(x.dtype)
+
+
+def _rotary_delegates(x, positions):
     return apply_rotary(x.double(), positions).to(x.dtype)
+
+
+def _rotary_angles_in_input_dtype(x, positions):
+    """Positions, angles, cos and sin in x's dtype: right in float32/64, wrong by radians in bf16/fp16 at 1000+."""
+    return _rotate_pairs(x, positions)
 
 
 def _rotate_pairs(x, positions, *, exponent_step=2, sign=1.0, swap=False, half=False, angle_dtype=None):
@@ -457,7 +484,12 @@ ROTARY = Task(
         "sin and cos swapped": Wrong(_rotary_sin_cos_swapped, "swapped"),
         "ignores the positions argument": Wrong(_rotary_ignores_positions, "ignored the positions"),
         "rotates x in place": Wrong(_rotary_in_place, "in place", kind="contract"),
+        "positions and angles in bfloat16/float16": Wrong(
+            _rotary_angles_in_input_dtype, "cannot even hold these positions"
+        ),
+        "calls attn_course.apply_rotary": Wrong(_rotary_delegates, "you called attn_course.apply_rotary", kind="algorithm"),
     },
+    forbidden=("attn_course.apply_rotary", "attn_course.RotaryEmbedding", "attn_course.positional.rotary_angles"),
 )
 
 
@@ -593,6 +625,16 @@ def _judge_generation(cases, outcomes):
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7,
                              hint=_diagnose_generation(got, *case.args) or "")
+    with checklist.check("each step projects only the new token (the work of cached decoding)"):
+        for index in (_GEN_SMALL, _GEN_ONE_TOKEN, _GEN_LONG):
+            case = cases[index]
+            returned(outcomes[index], what=case.name)
+            intended = _cached_flops(index)
+            expect_flops_at_most(
+                outcomes[index], 2 * intended, what=case.name, intended=intended,
+                hint="That is the work of recomputing the prefix at every step: keep every rotated key and every value "
+                "in a cache, and at each step project, rotate and append only the new token.",
+            )
     with checklist.check("works in float32"):
         case, outcome = cases[_GEN_FLOAT32], outcomes[_GEN_FLOAT32]
         layer, prompt, steps = case.args
@@ -605,6 +647,31 @@ def _judge_generation(cases, outcomes):
     return checklist.results
 
 
+@lru_cache(maxsize=None)
+def _cached_flops(index: int) -> int:
+    """The work of cached generation on case ``index``, counted by the same probe as the learner's.
+
+    Measured on the checked cases (0, 1, 3): honest variants (preallocated ac.KVCache, torch.cat,
+    only the last prompt query, the fused kernel) 0.85-1.07 times this; recomputing the prefix at
+    every step 3.5-5.8 times, only its keys and values 3.0-4.8 times.
+    """
+    return int(probe_call(_generate_reference, *_generation_cases()[index].args, measure=("flops",))["flops"])
+
+
+def _generate_prefix_keys_again(layer, prompt, steps):
+    """Right values, wrong algorithm: only the newest query, but every key and value projected again each step."""
+    sequence, outputs = prompt, []
+    with torch.no_grad():
+        for _ in range(steps):
+            t = sequence.shape[1]
+            _, keys, values = _rope_qkv(layer, sequence, 0)  # (B, H, t, D): the whole prefix again
+            q, _, _ = _rope_qkv(layer, sequence[:, -1:], t - 1)  # (B, H, 1, D)
+            context = scaled_dot_product_attention(q, keys, values)  # (B, H, 1, D)
+            outputs.append(layer.out_proj(merge_heads(context)))  # (B, 1, E)
+            sequence = torch.cat([sequence, outputs[-1]], dim=1)
+    return torch.cat(outputs, dim=1)
+
+
 def _generation_wrong(**mistake):
     def generate(layer, prompt, steps):
         with torch.no_grad():
@@ -615,18 +682,27 @@ def _generation_wrong(**mistake):
 
 ROPE_GENERATION = Task(
     id="11.rope_generation",
-    title="Generation with a KV cache and rotary positions (stretch)",
+    title="Generation with a KV cache and rotary positions",
     function_name="generate",
     make_cases=_generation_cases,
     judge=_judge_generation,
     reference=_generate_reference,
     wrong={
-        "new tokens rotated at position 0": (_generation_wrong(position=lambda i: 0), "position 0"),
-        "positions that do not count the prompt": (_generation_wrong(position=lambda i: i), "do not count the prompt"),
-        "values rotated too": (_generation_wrong(rotate_values=True), "rotated the values too"),
-        "keys not rotated": (_generation_wrong(rotate_keys=False), "keys are not rotated"),
-        "new key appended after attending": (_generation_wrong(see_self=False), "append the new key"),
-        "rotate-half pairing": (
+        "new tokens rotated at position 0": Wrong(_generation_wrong(position=lambda i: 0), "position 0"),
+        "positions that do not count the prompt": Wrong(_generation_wrong(position=lambda i: i), "do not count the prompt"),
+        "values rotated too": Wrong(_generation_wrong(rotate_values=True), "rotated the values too"),
+        "keys not rotated": Wrong(_generation_wrong(rotate_keys=False), "keys are not rotated"),
+        "new key appended after attending": Wrong(_generation_wrong(see_self=False), "append the new key"),
+        "rotate-half pairing": Wrong(
             _generation_wrong(rotate=lambda x, p: _rotate_pairs(x, p, half=True)), "rotate half"),
+        "recomputes the whole prefix at every step": Wrong(
+            _generate_full_recompute, "recomputing the prefix at every step", kind="algorithm"
+        ),
+        "projects every key and value again at every step": Wrong(
+            _generate_prefix_keys_again, "recomputing the prefix at every step", kind="algorithm"
+        ),
     },
+    stretch=True,
+    measure=("flops",),
+    forbidden=("attn_course.decode_step",),
 )
