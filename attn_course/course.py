@@ -61,6 +61,7 @@ LESSONS = (
     Lesson("09", "vision_transformer", "Vision Transformer"),
     Lesson("10", "conformer", "Conformer"),
     Lesson("11", "dynamic_heads_and_beyond", "Dynamic heads and beyond"),
+    Lesson("12", "attention_across_devices", "Attention across devices"),
 )
 
 

@@ -209,7 +209,7 @@ def _grade_task(shell, task, cases, out: Path, call_timeout_s: float) -> None:
     }
     if callable(fn):
         timeout = min(task.timeout_s, call_timeout_s) if call_timeout_s > 0 else task.timeout_s
-        outcomes = run_cases(_Guarded(fn), cases, timeout_s=timeout)
+        outcomes = run_cases(_Guarded(fn), cases, timeout_s=timeout, measure=task.measure, forbidden=task.forbidden)
         record["outcomes"] = [_to_plain(outcome, call_timeout_s) for outcome in outcomes]
     tmp = out / f"{task.id}.tmp"
     _save(record, tmp)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..core import Task
-from . import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09, lesson10, lesson11
+from . import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09, lesson10, lesson11, lesson12
 
 __all__ = ["TASKS", "tasks_for_lesson"]
 
@@ -37,6 +37,9 @@ TASKS: dict[str, Task] = {
         lesson11.REPEAT_KV,
         lesson11.DECODE_ATTENTION,
         lesson11.ROTARY,
+        lesson12.ZIGZAG_POSITIONS,
+        lesson12.RING_STEP,
+        lesson12.RING_STEP_BACKWARD,
     )
 }
 
