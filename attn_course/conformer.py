@@ -287,8 +287,7 @@ class ConvolutionModule(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
-            raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
+        check_positive_int("kernel_size", kernel_size)
         if not causal and kernel_size % 2 == 0:
             raise ValueError(f"a centred depthwise convolution needs an odd kernel_size, got {kernel_size}")
         factory = {"device": device, "dtype": dtype}
