@@ -10,6 +10,7 @@ from .chunked import (
     PartialAttention,
     chunked_attention,
     finish_partial,
+    log_sum_exp,
     merge_partials,
     partial_attention,
     query_chunked_attention,
@@ -29,11 +30,26 @@ from .diagnostics import (
     find_nonfinite,
     format_gradient_norms,
     gradient_norms,
+    token_influence,
     track_gradient_norms,
 )
+from .distributed import (
+    CommunicationLog,
+    gather_sequence,
+    log_communication,
+    ring_attention,
+    ring_step,
+    ring_step_backward,
+    run_distributed,
+    run_sharded_attention,
+    run_sharded_attention_batch,
+    sequence_positions,
+    shard_sequence,
+    ulysses_attention,
+)
 from .dynamic import DynamicHeadAttention
-from .grouped import GroupedQueryAttention, compare_kv_cache_memory, grouped_attention, kv_cache_bytes, repeat_kv
-from .kv_cache import KVCache, decode_step, measure_decoding_speed
+from .grouped import GroupedQueryAttention, grouped_attention, repeat_kv
+from .kv_cache import KVCache, compare_kv_cache_memory, decode_step, kv_cache_bytes, measure_decoding_speed
 from .linear import (
     LinearAttentionState,
     RandomFeatureMap,
@@ -51,6 +67,7 @@ from .masks import (
     mask_to_bias,
     padding_mask,
     to_blocked_mask,
+    with_causal,
 )
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 from .positional import (
@@ -79,6 +96,7 @@ __all__ = [
     "claim",
     "ClaimError",
     "combine_masks",
+    "CommunicationLog",
     "compare_kv_cache_memory",
     "ConformerClassifier",
     "ConformerConfig",
@@ -92,6 +110,7 @@ __all__ = [
     "format_gradient_norms",
     "from_blocked_mask",
     "fully_masked_rows",
+    "gather_sequence",
     "gradient_norms",
     "GradientNormHistory",
     "grouped_attention",
@@ -102,7 +121,9 @@ __all__ = [
     "linear_attention",
     "linear_attention_quadratic",
     "linear_attention_step",
+    "log_sum_exp",
     "LinearAttentionState",
+    "log_communication",
     "mask_to_bias",
     "measure_decoding_speed",
     "merge_heads",
@@ -122,9 +143,17 @@ __all__ = [
     "RelativePositionMultiHeadAttention",
     "relu_feature_map",
     "repeat_kv",
+    "ring_attention",
+    "ring_step",
+    "ring_step_backward",
     "RotaryEmbedding",
+    "run_distributed",
+    "run_sharded_attention",
+    "run_sharded_attention_batch",
     "scaled_dot_product_attention",
     "seed_everything",
+    "sequence_positions",
+    "shard_sequence",
     "sinusoidal_encoding",
     "SinusoidalPositionalEncoding",
     "sparse_attention",
@@ -132,7 +161,10 @@ __all__ = [
     "split_heads",
     "stable_softmax",
     "to_blocked_mask",
+    "token_influence",
     "track_gradient_norms",
+    "ulysses_attention",
     "VisionTransformer",
     "ViTConfig",
+    "with_causal",
 ]

@@ -31,8 +31,8 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str, weights_keyword
-from .models import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
+from ._checks import check_int, check_positive_int, check_tensor, shape_str, weights_keyword
+from .diagnostics import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
 from .multihead import MultiHeadAttention
 from .positional import LearnedPositionalEmbedding
 
@@ -75,6 +75,9 @@ class ViTConfig:
         position_embedding: ``"learned"`` (a trained ``(N+1, E)`` table, as in the ViT paper) or
             ``"sincos2d"`` (the fixed table of :func:`sincos_positions_2d`, zeros for the class
             token, as in MAE; nothing to learn).
+        layer_norm_eps: the ``eps`` of every LayerNorm (the two in each block and the final
+            one). 1e-6, as in the original ViT code and timm, so that weights ported from them
+            give the same logits; PyTorch's own default, 1e-5, shifts them by about 5e-5.
     """
 
     image_size: int = 8
@@ -90,12 +93,11 @@ class ViTConfig:
     patch_embedding: Literal["conv", "linear"] = "conv"
     patch_overlap: int = 0
     position_embedding: Literal["learned", "sincos2d"] = "learned"
+    layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model", "depth", "num_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
+            check_positive_int(f"ViTConfig.{name}", getattr(self, name))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"patch_size={self.patch_size} must divide image_size={self.image_size} (patches tile the image)"
@@ -109,14 +111,17 @@ class ViTConfig:
                 raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.patch_embedding not in ("conv", "linear"):
             raise ValueError(f"patch_embedding must be 'conv' or 'linear', got {self.patch_embedding!r}")
-        if isinstance(self.patch_overlap, bool) or not isinstance(self.patch_overlap, int) or self.patch_overlap < 0:
-            raise ValueError(f"ViTConfig.patch_overlap must be an int >= 0, got {self.patch_overlap!r}")
+        check_int("ViTConfig.patch_overlap", self.patch_overlap, minimum=0)
         if self.patch_overlap and self.patch_embedding != "conv":
             raise ValueError("patch_overlap > 0 needs patch_embedding='conv' (patchify cuts non-overlapping squares)")
         if self.position_embedding not in ("learned", "sincos2d"):
             raise ValueError(f"position_embedding must be 'learned' or 'sincos2d', got {self.position_embedding!r}")
         if self.position_embedding == "sincos2d" and self.d_model % 4:
             raise ValueError(f"position_embedding='sincos2d' needs d_model divisible by 4, got {self.d_model}")
+        if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, (int, float)):
+            raise TypeError(f"ViTConfig.layer_norm_eps must be a float, got {type(self.layer_norm_eps).__name__}")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"ViTConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps}")
 
     @property
     def num_patches(self) -> int:
@@ -185,8 +190,7 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     images = check_tensor("images", images, min_dim=4)
     if images.dim() != 4:
         raise ValueError(f"images must be (B, C, H, W), got shape {shape_str(images.shape)}")
-    if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
-        raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
+    check_positive_int("patch_size", patch_size)
     B, C, H, W = images.shape
     p = patch_size
     if H % p or W % p:
@@ -216,8 +220,7 @@ def sincos_positions_2d(
     float64, returned in ``dtype`` (default: the default float dtype).
     """
     for name, value in (("grid_height", grid_height), ("grid_width", grid_width), ("dim", dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
     if dim % 4:
         raise ValueError(f"dim must be divisible by 4 (a sine and a cosine for rows and for columns), got {dim}")
     quarter = dim // 4
@@ -270,8 +273,7 @@ class PatchEmbedding(nn.Module):
         super().__init__()
         if method not in ("conv", "linear"):
             raise ValueError(f"method must be 'conv' or 'linear', got {method!r}")
-        if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
-            raise ValueError(f"overlap must be an int >= 0, got {overlap!r}")
+        check_int("overlap", overlap, minimum=0)
         if overlap and method != "conv":
             raise ValueError("overlap > 0 needs method='conv' (patchify cuts non-overlapping squares)")
         factory = {"device": device, "dtype": dtype}
@@ -306,7 +308,10 @@ class PatchEmbedding(nn.Module):
 
 
 class ViTBlock(nn.Module):
-    """Pre-norm transformer block: ``x + MHA(LN(x))``, then ``x + MLP(LN(x))`` on ``(B, N, E)``."""
+    """Pre-norm transformer block: ``x + MHA(LN(x))``, then ``x + MLP(LN(x))`` on ``(B, N, E)``.
+
+    ``layer_norm_eps`` is the LayerNorms' ``eps`` (1e-6, the original ViT's and timm's).
+    """
 
     def __init__(
         self,
@@ -316,15 +321,16 @@ class ViTBlock(nn.Module):
         *,
         dropout: float = 0.0,
         attention_dropout: float = 0.0,
+        layer_norm_eps: float = 1e-6,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = nn.LayerNorm(d_model, **factory)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, **factory)
         self.attention = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, **factory)
         self.dropout1 = nn.Dropout(dropout)
-        self.norm2 = nn.LayerNorm(d_model, **factory)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, **factory)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, mlp_dim, **factory),
             nn.GELU(),
@@ -386,11 +392,12 @@ class VisionTransformer(nn.Module):
                 config.mlp_dim,
                 dropout=config.dropout,
                 attention_dropout=config.attention_dropout,
+                layer_norm_eps=config.layer_norm_eps,
                 **factory,
             )
             for _ in range(config.depth)
         )
-        self.norm = nn.LayerNorm(config.d_model, **factory)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, **factory)
         self.head = nn.Linear(config.d_model, config.num_classes, **factory)
         self._init_weights()
 

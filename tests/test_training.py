@@ -102,3 +102,30 @@ def test_predict_averages_the_softmax_over_views():
     assert accuracy(model, x, torch.tensor([1, 0]), views=lambda batch: [batch, -batch, -batch]) == 1.0
     with pytest.raises(ValueError, match="no versions"):
         predict(model, x, views=lambda batch: [])
+
+
+def test_inputs_may_be_a_tuple_passed_as_model_arguments():
+    """(features, lengths) batches reach ``model(features, lengths)``, row for row, in fit, predict and accuracy."""
+
+    class LastReal(nn.Module):  # reads the feature of each row's last real position: needs its length
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(1, 2)
+
+        def forward(self, x, lengths):
+            return self.head(x[torch.arange(x.shape[0]), lengths - 1, None])
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 6, (256,), generator=gen)
+    x = torch.randn(256, 5, generator=gen)
+    y = (x[torch.arange(256), lengths - 1] > 0).long()
+    torch.manual_seed(0)
+    model = LastReal()
+    history = fit(model, (x, lengths), y, epochs=20, batch_size=32, lr=5e-2, eval_data=((x, lengths), y), progress=False)
+    assert history.eval_accuracy[-1] > 0.95
+    assert accuracy(model, (x, lengths), y) == history.eval_accuracy[-1]
+    batches = list(iterate_batches((x, lengths), y, batch_size=100, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    for (bx, bl), by in batches:
+        assert torch.equal(by, (bx[torch.arange(len(bx)), bl - 1] > 0).long())  # rows kept together
+    with pytest.raises(ValueError, match="same length"):
+        list(iterate_batches((x, lengths[:10]), y, batch_size=2))
