@@ -79,7 +79,7 @@ from .positional import (
     sinusoidal_encoding,
 )
 from .sparse import PATTERNS, SparseAttention, pattern_mask, sparse_attention
-from .vit import VisionTransformer, ViTConfig, attention_rollout
+from .vit import VisionTransformer, ViTConfig, attention_rollout, patchify, sincos_positions_2d
 
 __version__ = "0.1.0"
 
@@ -134,6 +134,7 @@ __all__ = [
     "NonFiniteTracker",
     "padding_mask",
     "partial_attention",
+    "patchify",
     "PartialAttention",
     "pattern_mask",
     "PATTERNS",
@@ -154,6 +155,7 @@ __all__ = [
     "seed_everything",
     "sequence_positions",
     "shard_sequence",
+    "sincos_positions_2d",
     "sinusoidal_encoding",
     "SinusoidalPositionalEncoding",
     "sparse_attention",

@@ -36,6 +36,7 @@ TASKS: dict[str, Task] = {
         lesson09.PATCHIFY,
         lesson09.CLASS_TOKEN_AND_POSITIONS,
         lesson09.VIT_ATTENTION,
+        lesson09.SINCOS_POSITIONS_2D,
         lesson10.REL_SHIFT,
         lesson10.CONV_MODULE,
         lesson10.STREAMING_CONV,

@@ -1,4 +1,12 @@
-"""Graded tasks for lesson 09 (Vision Transformer): patchify, class token + positions, the article's attention fixed."""
+"""Graded tasks for lesson 09 (Vision Transformer): patchify, class token + positions, the article's attention
+fixed, and the stretch task, 2-D sine-cosine positions.
+
+No delegation: ``09.patchify`` gives zero for calling the course's ``patchify`` / ``PatchEmbedding`` or
+PyTorch's ``F.unfold`` (im2col, patch extraction itself; ``Tensor.unfold``, a view, stays allowed);
+``09.vit_attention`` for calling a whole multi-head attention layer (the course's or PyTorch's), while
+``split_heads`` and scaled dot-product attention, building blocks of lesson 01-02, stay allowed: the
+task is the layout of the heads; ``09.sincos_positions_2d`` for calling the course's own table
+(the 1-D ``sinusoidal_encoding`` of lesson 10 is a building block)."""
 
 from __future__ import annotations
 
@@ -9,12 +17,14 @@ import torch.nn.functional as F
 
 from ...attention import scaled_dot_product_attention
 from ...multihead import merge_heads, split_heads
-from ...vit import patchify
+from ...positional import sinusoidal_encoding
+from ...vit import patchify, sincos_positions_2d
+from .. import probes
 from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned
 
-__all__ = ["PATCHIFY", "CLASS_TOKEN_AND_POSITIONS", "VIT_ATTENTION"]
+__all__ = ["PATCHIFY", "CLASS_TOKEN_AND_POSITIONS", "VIT_ATTENTION", "SINCOS_POSITIONS_2D"]
 
 _RESHAPE_HINTS = (
     ("is invalid for input of size", "the sizes in your reshape do not multiply to the tensor's size: N = (H/p)(W/p) "
@@ -42,8 +52,16 @@ def _decode_pixel(code: float) -> str:
     return f"pixel (row {code // 100 % 100}, column {code % 100}) of channel {code // 10_000 % 100}"
 
 
-# (B, C, H, W, p): square and non-square images, 1 and 3 channels, patches of 2 and 4.
-_PATCH_SIZES = [(2, 1, 8, 8, 4), (1, 3, 4, 6, 2), (2, 2, 6, 6, 3)]
+# (B, C, H, W, p): square and non-square images, 1, 2 and 3 channels, patches of 2, 3 and 4. Two cases
+# with one channel and two with several, so that every bug is seen by two cases.
+_PATCH_SIZES = [(2, 1, 8, 8, 4), (2, 1, 6, 9, 3), (2, 3, 4, 6, 2), (3, 2, 6, 6, 3)]
+_PATCHIFY_FORBIDDEN = (
+    "attn_course.vit.patchify",
+    "attn_course.vit.PatchEmbedding",
+    "torch.nn.functional.unfold",
+    "torch.nn.Unfold",
+    "aten.im2col",
+)
 
 
 def _patchify_cases() -> list[Case]:
@@ -72,6 +90,14 @@ def _patches_unfold_no_permute(images, p):
     B, C, H, W = images.shape
     x = images.unfold(2, p, p).unfold(3, p, p)  # (B, C, H/p, W/p, p, p)
     return x.reshape(B, -1, C * p * p)  # channels not moved behind the grid
+
+
+def _patches_with_f_unfold(images, p):
+    return F.unfold(images, kernel_size=p, stride=p).transpose(1, 2)  # (B, N, C p p): PyTorch's im2col does it all
+
+
+def _patches_with_the_library(images, p):
+    return patchify(images, p)  # (B, N, C p p)
 
 
 def _patches_transposed_pixels(images, p):
@@ -125,8 +151,8 @@ def _judge_patchify(cases, outcomes):
             B, C, H, W = images.shape
             expect_shape(got, (B, (H // p) * (W // p), C * p * p), what=case.name,
                          hint="One token per p x p square, holding its C*p*p values.")
-    for title, indices in (("one channel: each token is one p x p square, row by row", (0,)),
-                           ("several channels and non-square images: features ordered (channel, row, column)", (1, 2))):
+    for title, indices in (("one channel: each token is one p x p square, row by row", (0, 1)),
+                           ("several channels: features ordered (channel, row, column)", (2, 3))):
         with checklist.check(title):
             for index in indices:
                 case, outcome = cases[index], outcomes[index]
@@ -140,7 +166,10 @@ def _judge_patchify(cases, outcomes):
 
 
 def _patchify_reference(images, patch_size):
-    return patchify(images, patch_size)
+    B, C, H, W = images.shape
+    p = patch_size
+    grid = images.reshape(B, C, H // p, p, W // p, p)  # (B, C, H/p, p, W/p, p)
+    return grid.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)  # (B, N, C p p)
 
 
 PATCHIFY = Task(
@@ -156,7 +185,12 @@ PATCHIFY = Task(
         "features ordered (row, column, channel)": Wrong(_patches_channels_last, "(channel, row, column)"),
         "patches numbered column by column": Wrong(_patches_column_major, "row by row"),
         "pixels transposed inside each patch": Wrong(_patches_transposed_pixels, "transposed"),
+        "calls F.unfold (PyTorch's patch extraction)": Wrong(
+            _patches_with_f_unfold, "you called torch.nn.functional.unfold", kind="algorithm"),
+        "calls attn_course's patchify": Wrong(_patches_with_the_library, "you called attn_course.patchify",
+                                               kind="algorithm"),
     },
+    forbidden=_PATCHIFY_FORBIDDEN,
 )
 
 
@@ -272,10 +306,21 @@ CLASS_TOKEN_AND_POSITIONS = Task(
 # article's ViT attention with its stacked qkv Linear (3E, E), fixed: (B, N, E) -> (B, N, E).
 
 
+# (B, N, E, H): every case has several heads and a batch; two have N == H, where the article's (B, N, H, H)
+# weights have the shape real (B, H, N, N) weights have, so only the values can tell.
+_VIT_SHAPES = [(2, 5, 12, 3), (3, 7, 8, 2), (2, 4, 16, 4), (2, 3, 12, 3)]
+_VIT_FORBIDDEN = (
+    "torch.nn.MultiheadAttention",
+    "torch.nn.functional.multi_head_attention_forward",
+    "aten._native_multi_head_attention",
+    "attn_course.multihead.MultiHeadAttention",
+)
+
+
 def _vit_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(919)
     cases = []
-    for B, N, E, H in [(2, 5, 8, 1), (2, 5, 12, 3), (1, 4, 16, 4)]:  # the last has N == H: shapes cannot tell
+    for B, N, E, H in _VIT_SHAPES:
         x = torch.randn(B, N, E, generator=gen, dtype=torch.float64)
         w = torch.randn(3 * E, E, generator=gen, dtype=torch.float64) / math.sqrt(E)
         b = 0.5 * torch.randn(3 * E, generator=gen, dtype=torch.float64)
@@ -310,6 +355,17 @@ def _vit_reference(x, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads):
     E = x.shape[-1]
     q, k, v = (split_heads(t, num_heads) for t in F.linear(x, qkv_weight, qkv_bias).split(E, dim=-1))  # (B, H, N, D)
     return F.linear(merge_heads(scaled_dot_product_attention(q, k, v)), proj_weight, proj_bias)  # (B, N, E)
+
+
+def _vit_with_torch_layer(x, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads):
+    E = x.shape[-1]
+    layer = torch.nn.MultiheadAttention(E, num_heads, batch_first=True, dtype=x.dtype)
+    with torch.no_grad():  # the same stacked [W_q; W_k; W_v] and output projection
+        layer.in_proj_weight.copy_(qkv_weight)
+        layer.in_proj_bias.copy_(qkv_bias)
+        layer.out_proj.weight.copy_(proj_weight)
+        layer.out_proj.bias.copy_(proj_bias)
+        return layer(x, x, x, need_weights=False)[0]  # (B, N, E)
 
 
 def _vit_article(*args):
@@ -368,8 +424,9 @@ def _judge_vit(cases, outcomes):
             x = case.args[0]
             expect_shape(got, x.shape, what=case.name)
             expect_dtype(got, x.dtype, what=case.name)
-    for title, indices in (("one head: projections, scale, softmax, output projection", (0,)),
-                           ("several heads: patches attend to patches (even when N == H)", (1, 2))):
+    for title, indices in (("several heads: projections, heads in front, scale, softmax, merge, output projection",
+                            (0, 1)),
+                           ("N == H, where shapes cannot tell: patches attend to patches, not heads to heads", (2, 3))):
         with checklist.check(title):
             for index in indices:
                 case, outcome = cases[index], outcomes[index]
@@ -397,5 +454,193 @@ VIT_ATTENTION = Task(
         "heads merged without the transpose": Wrong(_vit_merge_straight, "merged the heads by reshaping"),
         "scale 1/sqrt(E)": Wrong(_vit_scale_by_dim, "1/sqrt(head_dim)"),
         "softmax over the queries": Wrong(_vit_softmax_queries, "softmax over dim=-1"),
+        "calls nn.MultiheadAttention": Wrong(_vit_with_torch_layer, "you called torch.nn.MultiheadAttention",
+                                              kind="algorithm"),
     },
+    forbidden=_VIT_FORBIDDEN,
+)
+
+
+# --- 09.sincos_positions_2d (stretch) ----------------------------------------------------------
+# sincos_positions_2d(grid_height, grid_width, dim) -> (grid_height * grid_width, dim): patch
+# n = r * grid_width + c gets concat(PE_1d(c, dim/2), PE_1d(r, dim/2)), each half laid out like the
+# course's 1-D table (sin, cos interleaved; frequencies base^(-k / (dim/4)), base 10000), and a
+# dim that is not a multiple of 4 raises ValueError.
+
+# (grid_height, grid_width, dim): two square and two non-square grids, then two dims that are not
+# multiples of 4 (which must raise).
+_GRIDS = [(4, 4, 8), (3, 3, 16), (3, 5, 16), (2, 7, 12)]
+_BAD_DIMS = [(4, 4, 10), (2, 3, 6)]
+_SINCOS_FORBIDDEN = ("attn_course.vit.sincos_positions_2d",)
+
+
+def _sincos_cases() -> list[Case]:
+    cases = [Case(f"sincos_positions_2d(grid_height={h}, grid_width={w}, dim={d})", (h, w, d)) for h, w, d in _GRIDS]
+    cases += [Case(f"sincos_positions_2d({h}, {w}, dim={d}): dim not a multiple of 4", (h, w, d)) for h, w, d in _BAD_DIMS]
+    return cases
+
+
+_SQUARE = (0, 1)
+_NON_SQUARE = (2, 3)
+_BAD = (4, 5)
+
+
+def _half(coordinate: torch.Tensor, half_dim: int, *, layout: str = "interleaved", spacing: str = "quarter") -> torch.Tensor:
+    """One axis's table (N, half_dim): sines and cosines of ``coordinate`` at half_dim / 2 frequencies."""
+    count = half_dim // 2
+    k = torch.arange(count, dtype=torch.float64)  # (dim/4,)
+    exponent = {"quarter": k / count, "last_is_one": k / max(count - 1, 1), "whole": k / (2 * half_dim)}[spacing]
+    angles = coordinate.double().reshape(-1, 1) * 10000.0 ** -exponent  # (N, dim/4)
+    if layout == "blocks":  # MAE's layout: all sines, then all cosines
+        return torch.cat((angles.sin(), angles.cos()), dim=-1)  # (N, half_dim)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)  # (N, half_dim), interleaved
+
+
+def _sincos_variant(grid_height, grid_width, dim, *, order="columns_first", numbering="rows", layout="interleaved",
+                    spacing="quarter", check_dim=True):
+    if check_dim and dim % 4:
+        raise ValueError(f"dim must be divisible by 4, got {dim}")
+    n = torch.arange(grid_height * grid_width)  # (N,)
+    if numbering == "rows":
+        r, c = n // grid_width, n % grid_width  # patch n = r * W + c
+    elif numbering == "columns":
+        r, c = n % grid_height, n // grid_height  # patch n = c * H + r: the grid read column by column
+    else:  # "swapped": grid_height and grid_width confused
+        r, c = n // grid_height, n % grid_height
+    columns = _half(c, dim // 2, layout=layout, spacing=spacing)  # (N, dim/2)
+    rows = _half(r, dim // 2, layout=layout, spacing=spacing)  # (N, dim/2)
+    return torch.cat((columns, rows) if order == "columns_first" else (rows, columns), dim=-1)  # (N, dim)
+
+
+def _sincos_reference(grid_height, grid_width, dim):
+    return _sincos_variant(grid_height, grid_width, dim)
+
+
+def _sincos_rows_first(h, w, d):
+    return _sincos_variant(h, w, d, order="rows_first")
+
+
+def _sincos_column_major(h, w, d):
+    return _sincos_variant(h, w, d, numbering="columns")
+
+
+def _sincos_swapped_sizes(h, w, d):
+    return _sincos_variant(h, w, d, numbering="swapped")
+
+
+def _sincos_blocks(h, w, d):
+    return _sincos_variant(h, w, d, layout="blocks")
+
+
+def _sincos_whole_dim_frequencies(h, w, d):
+    return _sincos_variant(h, w, d, spacing="whole")
+
+
+def _sincos_big_vision_spacing(h, w, d):
+    return _sincos_variant(h, w, d, spacing="last_is_one")
+
+
+def _sincos_flat_index(h, w, d):
+    if d % 4:
+        raise ValueError(f"dim must be divisible by 4, got {d}")
+    return sinusoidal_encoding(torch.arange(h * w, dtype=torch.float64), d)  # (N, dim): the grid read as a sequence
+
+
+def _sincos_no_dim_check(h, w, d):
+    quarter = d // 4  # dim 10 silently becomes a table of 8 features
+    return _sincos_variant(h, w, 4 * quarter, check_dim=False)
+
+
+def _sincos_with_the_library(h, w, d):
+    return sincos_positions_2d(h, w, d, dtype=torch.float64)
+
+
+def _diagnose_sincos(got, args) -> str | None:
+    def variant(**changes):
+        return lambda: _sincos_variant(*args, **changes)
+
+    return first_match(
+        got,
+        [
+            (variant(order="rows_first"),
+             "your first half encodes the row and the second the column: the first dim/2 features are the column's "
+             "table (x), the second half the row's (y), as in MAE."),
+            (variant(numbering="columns"),
+             "your patches go down the columns: patch n = r * grid_width + c (row by row, as patchify numbers them), "
+             "so r = n // grid_width and c = n % grid_width."),
+            (variant(numbering="swapped"),
+             "you mixed up grid_height and grid_width: on a grid of grid_height rows, patch n sits in row "
+             "n // grid_width and column n % grid_width."),
+            (variant(layout="blocks"),
+             "each half holds all its sines, then all its cosines (MAE's layout). This task lays each half out like "
+             "the course's 1-D table: sin and cos of one frequency side by side (interleaved)."),
+            (variant(spacing="whole"),
+             "your frequencies are spaced over the whole dim: each half is a 1-D table of dim/2 features, so its "
+             "frequencies are 10000^(-k / (dim/4)), k = 0 .. dim/4 - 1."),
+            (variant(spacing="last_is_one"),
+             "your frequencies go down to exactly 1/10000 (k / (dim/4 - 1), big_vision's spacing). This task uses "
+             "10000^(-k / (dim/4)), as the 1-D table does."),
+            (lambda: sinusoidal_encoding(torch.arange(args[0] * args[1], dtype=torch.float64), args[2]),
+             "you encoded the patch index n as a 1-D position: the grid's rows and columns each get half the "
+             "features, from the patch's row r and column c."),
+        ],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def _judge_sincos(cases, outcomes):
+    checklist = Checklist()
+    good = [(cases[i], outcomes[i]) for i in (*_SQUARE, *_NON_SQUARE)]
+    with checklist.check("returns a floating-point (grid_height * grid_width, dim) table"):
+        for case, _, got in answered([c for c, _ in good], [o for _, o in good]):
+            h, w, d = case.args
+            expect_shape(got, (h * w, d), what=case.name, hint="One row per patch, dim features each.")
+            if not got.dtype.is_floating_point:
+                raise Fail(f"{case.name}: returned dtype {got.dtype}; sines and cosines are floating point.")
+    for title, indices in (("square grids: column half, then row half, sin and cos interleaved", _SQUARE),
+                           ("non-square grids: patches row by row, rows and columns not swapped", _NON_SQUARE)):
+        with checklist.check(title):
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                got = returned(outcome, what=case.name)
+                expected = _sincos_reference(*case.args)
+                expect_shape(got, expected.shape, what=case.name)
+                expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-5,
+                             hint=_diagnose_sincos(got, case.args) or "")
+    with checklist.check("a dim that is not a multiple of 4 raises ValueError"):
+        for index in _BAD:
+            case, outcome = cases[index], outcomes[index]
+            if outcome.not_implemented:
+                returned(outcome, what=case.name)
+            if outcome.error is None:
+                raise Fail(f"{case.name} returned a result; it should raise ValueError: dim/4 frequencies per sine and "
+                           "cosine, for rows and for columns, need dim divisible by 4 "
+                           "(`if dim % 4: raise ValueError(...)`).")
+            if not outcome.error.startswith("ValueError"):
+                raise Fail(f"{case.name} raised {outcome.error[:200]}; raise ValueError, naming dim.")
+    return checklist.results
+
+
+SINCOS_POSITIONS_2D = Task(
+    id="09.sincos_positions_2d",
+    title="Stretch: 2-D sine-cosine positions for a grid of patches",
+    function_name="sincos_positions_2d",
+    make_cases=_sincos_cases,
+    judge=_judge_sincos,
+    reference=_sincos_reference,
+    wrong={
+        "row half first": Wrong(_sincos_rows_first, "first half encodes the row"),
+        "patches numbered column by column": Wrong(_sincos_column_major, "patches go down the columns"),
+        "grid_height and grid_width swapped": Wrong(_sincos_swapped_sizes, "mixed up grid_height and grid_width"),
+        "MAE's layout (sines, then cosines)": Wrong(_sincos_blocks, "MAE's layout"),
+        "frequencies spaced over the whole dim": Wrong(_sincos_whole_dim_frequencies, "spaced over the whole dim"),
+        "big_vision's spacing k / (dim/4 - 1)": Wrong(_sincos_big_vision_spacing, "big_vision's spacing"),
+        "the flat patch index as a 1-D position": Wrong(_sincos_flat_index, "encoded the patch index n"),
+        "no error for a dim that is not a multiple of 4": Wrong(_sincos_no_dim_check, "should raise ValueError"),
+        "calls attn_course's sincos_positions_2d": Wrong(
+            _sincos_with_the_library, "you called attn_course.sincos_positions_2d", kind="algorithm"),
+    },
+    stretch=True,
+    forbidden=_SINCOS_FORBIDDEN,
 )
