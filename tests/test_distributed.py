@@ -395,74 +395,7 @@ def test_rank_summary_shows_a_working_collective():
     assert all(s["world_size"] == 3 and s["backend"] == "gloo" and s["all_reduce of rank + 1"] == 6 for s in summaries)
 
 
-# --- the lesson 12 graded tasks: fair to other correct solutions ---------------------------
-# (tests/test_grading_catalogue.py proves every catalogued bug is rejected.)
-
-
-def _zigzag_lists(seq_len, world_size):
-    """Plain Python lists, built token by token."""
-    if seq_len % (2 * world_size):
-        raise ValueError("pad the sequence")
-    chunk = seq_len // (2 * world_size)
-    return [[r * chunk + i for i in range(chunk)] + [(2 * world_size - 1 - r) * chunk + i for i in range(chunk)]
-            for r in range(world_size)]
-
-
-def _zigzag_int32_chunks(seq_len, world_size):
-    if seq_len % (2 * world_size):
-        raise ValueError("pad the sequence")
-    chunks = torch.arange(seq_len, dtype=torch.int32).chunk(2 * world_size)
-    return tuple(torch.cat([chunks[r], chunks[-1 - r]]) for r in range(world_size))
-
-
-def _ring_step_from_scratch(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
-    """Written out without lesson 07's helpers, with a large finite fill instead of -inf."""
-    scores = torch.einsum("bhld,bhsd->bhls", q, k) / q.shape[-1] ** 0.5  # (B, H, Lq, Lk)
-    allowed = torch.ones_like(scores, dtype=torch.bool)
-    if is_causal:
-        allowed = allowed & (k_positions.view(1, 1, 1, -1) <= q_positions.view(1, 1, -1, 1))
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask.view(q.shape[0], 1, 1, -1)
-    block_max = torch.where(allowed, scores, torch.full_like(scores, -torch.inf)).amax(-1, keepdim=True)
-    if running is None:
-        running = (torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), torch.full_like(block_max, -torch.inf),
-                   torch.zeros_like(block_max))
-    acc, row_max, row_sum = running
-    new_max = torch.maximum(row_max, block_max)
-    shift = torch.nan_to_num(new_max, neginf=0.0)
-    exps = torch.exp(scores - shift) * allowed
-    old = torch.exp(row_max - shift)
-    return acc * old + exps @ v, new_max, row_sum * old + exps.sum(-1, keepdim=True)
-
-
-def _backward_from_autograd(q, k, v, grad_out, out, lse, q_positions, k_positions, key_padding_mask=None,
-                            is_causal=False):
-    """dq, dk, dv of sum(grad_out * (P v - corr)) with P = exp(S - lse): autograd instead of the formulas."""
-    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
-    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
-    if is_causal:
-        allowed = k_positions[None, :] <= q_positions[:, None]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]
-    weights = torch.exp(scores.masked_fill(~allowed, -torch.inf) - torch.nan_to_num(lse, neginf=0.0))
-    delta = (grad_out * out).sum(-1, keepdim=True)
-    # d(out)/d(scores) through this block's weights only (lse is a constant), and d(out)/d(v).
-    share = (weights * (grad_out @ v.transpose(-2, -1) - delta).detach()).sum() + (weights.detach() @ v * grad_out).sum()
-    return torch.autograd.grad(share, (q, k, v))
-
-
-@pytest.mark.parametrize("task_id,fn", [
-    ("12.zigzag_positions", _zigzag_lists),
-    ("12.zigzag_positions", _zigzag_int32_chunks),
-    ("12.ring_step", _ring_step_from_scratch),
-    ("12.ring_step_backward", _backward_from_autograd),
-], ids=["zigzag-lists", "zigzag-int32-chunks", "ring-step-from-scratch", "backward-by-autograd"])
-def test_other_correct_solutions_score_full_marks(task_id, fn):
-    from attn_course.grading import TASKS, grade_function
-
-    result = grade_function(TASKS[task_id], fn)
-    assert result.score == result.max_score, result.report()
+# --- the runner and the pictures ------------------------------------------------------------
 
 
 def test_a_port_taken_between_probe_and_bind_is_retried(monkeypatch):
