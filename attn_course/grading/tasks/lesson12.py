@@ -833,7 +833,7 @@ def _backward_delegates(q, k, v, grad_out, out, lse, q_positions, k_positions, k
 
 RING_STEP_BACKWARD = Task(
     id="12.ring_step_backward",
-    title="Stretch: one block's gradients for the ring's backward pass",
+    title="One block's gradients for the ring's backward pass",
     function_name="ring_step_backward",
     make_cases=_backward_cases,
     judge=_judge_backward,
