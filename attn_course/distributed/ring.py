@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..chunked import PartialAttention, finish_partial, merge_partials, partial_attention
+from ..chunked import PartialAttention, finish_partial, log_sum_exp, merge_partials, partial_attention
 from ._checks import check_block, check_positions, compute_dtype, resolve_scale
 from .exchange import RingExchange, WorkEvent, group_rank_size, record, timed
 from .layout import block_plan, check_layout_fits, chunk_length, ring_schedule, sequence_positions
@@ -155,13 +155,6 @@ def _block_gradients(q, k, v, grad_out, delta, lse, plan, key_keep, scale):
     return grad_q, grad_k, grad_v, computed
 
 
-def _log_sum_exp(partial: PartialAttention) -> torch.Tensor:
-    """``m + log(l)`` per row ``(B, H, Lq, 1)``, the log of the softmax denominator; ``-inf`` for rows with no key."""
-    tiny = torch.finfo(partial.row_sum.dtype).tiny
-    finite = partial.row_max + torch.log(partial.row_sum.clamp_min(tiny))  # (B, H, Lq, 1)
-    return torch.where(partial.row_sum > 0, finite, torch.full_like(finite, float("-inf")))  # (B, H, Lq, 1)
-
-
 def _safe_lse(lse: torch.Tensor) -> torch.Tensor:
     """Rows with no allowed key have lse = -inf and all scores -inf: use 0, so exp(-inf - 0) = 0."""
     return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # (B, H, Lq, 1)
@@ -232,7 +225,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block = pending.wait()
         out = finish_partial(running)  # (B, H, L/W, Dv)
-        lse = _log_sum_exp(running)  # (B, H, L/W, 1)
+        lse = log_sum_exp(running)  # (B, H, L/W, 1), lesson 07
         ctx.save_for_backward(q, k, v, out, lse, key_keep)
         ctx.options = (plans, scale, group, what)
         return out.to(q.dtype)

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ...chunked import PartialAttention, finish_partial, merge_partials, partial_attention
+from ...chunked import PartialAttention, finish_partial, log_sum_exp, merge_partials, partial_attention
 from ...distributed import ring_step as library_ring_step
 from ...distributed import ring_step_backward as library_ring_step_backward
 from ...distributed import sequence_positions
@@ -613,11 +613,6 @@ RING_STEP = Task(
 # gradients, FlashAttention's backward with the *final* out and lse of the queries.
 
 
-def _lse(partial) -> torch.Tensor:
-    """log(sum_j exp(s_ij)) = m + log(l) per row, (B, H, Lq, 1); -inf (= -inf + log 0) for a row with no key."""
-    return partial.row_max + torch.log(partial.row_sum)
-
-
 def _backward_cases() -> list[Case]:
     randn = seeded_randn(1213)
     B, H, D, Dv = 2, 2, 8, 5
@@ -640,7 +635,7 @@ def _backward_cases() -> list[Case]:
             running = library_ring_step(running, q[..., zig[0], :], k[..., zig[block], :], v[..., zig[block], :],
                                         q_positions=zig[0], k_positions=zig[block], is_causal=is_causal,
                                         key_padding_mask=None if mask is None else mask[:, zig[block]])
-        out, lse = finish_partial(running), _lse(running)
+        out, lse = finish_partial(running), log_sum_exp(running)
         cases.append(Case(name, (q[..., zig[0], :], k[..., zig[source], :], v[..., zig[source], :],
                                  grad_out[..., zig[0], :], out, lse),
                           dict(q_positions=zig[0], k_positions=zig[source],
@@ -650,7 +645,7 @@ def _backward_cases() -> list[Case]:
     positions_q, positions_k = torch.arange(7, 10), torch.arange(7)
     running = library_ring_step(None, q4, k4, v4, q_positions=positions_q, k_positions=positions_k)
     cases.append(Case("3 queries against a block of 7 keys (Lq != Lk), not causal, out and lse from this block alone",
-                      (q4, k4, v4, g4, finish_partial(running), _lse(running)),
+                      (q4, k4, v4, g4, finish_partial(running), log_sum_exp(running)),
                       dict(q_positions=positions_q, k_positions=positions_k, key_padding_mask=None, is_causal=False)))
     # Padded, not causal: batch 1's whole sequence is padding, so every one of its rows has lse = -inf.
     empty = torch.ones(B, L, dtype=torch.bool)  # (B, L), True = real key
@@ -662,7 +657,7 @@ def _backward_cases() -> list[Case]:
                                     q_positions=zig[1], k_positions=zig[block], key_padding_mask=empty[:, zig[block]])
     cases.append(Case("padded, not causal: rank 1 against rank 2's block; batch 1 is all padding (every lse = -inf)",
                       (q[..., zig[1], :], k[..., zig[2], :], v[..., zig[2], :], grad_out[..., zig[1], :],
-                       finish_partial(running), _lse(running)),
+                       finish_partial(running), log_sum_exp(running)),
                       dict(q_positions=zig[1], k_positions=zig[2], key_padding_mask=empty[:, zig[2]], is_causal=False)))
     return cases
 
@@ -694,7 +689,7 @@ def _diagnose_backward(label: str, got: torch.Tensor, case: Case) -> str | None:
         return library_ring_step_backward(*args.values(), **options)[index]
 
     return distinct_match(got, expected[index], [
-        (lambda: variant(lse=_lse(block_only)),
+        (lambda: variant(lse=log_sum_exp(block_only)),
          "you recomputed the softmax over this block only. The weights are exp(scores - lse) with the *final* lse "
          "of each query over every key of the sequence: use the lse you are given."),
         (lambda: variant(out=torch.zeros_like(out)),
