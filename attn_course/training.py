@@ -164,7 +164,10 @@ def fit(
     history = History()
     start = time.perf_counter()
     step = 0
-    bar = tqdm(total=total_steps, desc=description, disable=not progress, leave=True)
+    # One refresh a second at most: a notebook widget bar sends a message per refresh, and a test runner
+    # (nbval) reads them only after the cell ends; past ZMQ's queue limits (1000 a socket) messages are
+    # dropped, the kernel's "idle" among them, and a long training under load failed its nbval run.
+    bar = tqdm(total=total_steps, desc=description, disable=not progress, leave=True, mininterval=1.0)
     model.train()
     for epoch in range(epochs):
         epoch_loss, seen = 0.0, 0

@@ -61,6 +61,36 @@ def test_fit_ends_with_a_summary_line_that_a_saved_notebook_can_show(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_fit_refreshes_its_bar_at_most_once_a_second(monkeypatch):
+    # A notebook bar sends one message per refresh, read by nbval only after the cell: lesson 09's
+    # 80-epoch training under load sent enough (tqdm's default, 10 refreshes a second) for ZMQ to drop
+    # the kernel's "idle" and fail the run. Each step here sleeps 8 ms, so the 320 steps last at least
+    # 2.5 s on any machine and tqdm's default would refresh 25 times or more; the end of each of the 5
+    # epochs refreshes too (the postfix).
+    import functools
+    import io
+    import time
+
+    import attn_course.training as training
+
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x):
+            time.sleep(0.008)
+            return self.linear(x)
+
+    out = io.StringIO()
+    monkeypatch.setattr(training, "tqdm", functools.partial(training.tqdm, file=out))
+    x, y = _toy_problem()
+    history = fit(Slow(), x, y, epochs=5, batch_size=8, progress=True)  # 5 x 64 steps
+    refreshes = out.getvalue().count("\r")
+    assert history.seconds >= 2.5
+    assert refreshes <= history.seconds + 5 + 3, (refreshes, history.seconds)
+
+
 def test_fit_augments_every_training_batch_with_its_own_generator():
     inputs, targets = _toy_problem()
     seen = []
