@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from attn_course.grading import TASKS, grade_function
-from attn_course.grading.tasks._variants import distinct_match
 
-OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"04", "05", "06", "07"}]
+OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"04", "06", "07"}]  # lesson 05: test_grading_lesson05.py
 
 
 # --- other correct solutions ---------------------------------------------------------------
@@ -58,39 +57,6 @@ def _saved_storages(fn, *args):
         fn(*args)
     unique = {s.data_ptr(): s.nbytes() for s in storages}
     return int(sum(unique.values()))
-
-
-def _window_triangles(L, window, is_causal):
-    mask = torch.ones(L, L, dtype=torch.bool).triu(-window).tril(window)  # (L, L), a band
-    return mask.tril() if is_causal else mask
-
-
-def _window_loop(L, window, is_causal):
-    mask = torch.zeros(L, L, dtype=torch.bool)
-    for i in range(L):
-        hi = i if is_causal else min(L - 1, i + window)
-        mask[i, max(0, i - window): hi + 1] = True
-    return mask
-
-
-def _block_loop(q, k, v, block_size):
-    outputs = []
-    for start in range(0, q.shape[-2], block_size):  # the last slice is simply shorter: no padding needed
-        block = slice(start, start + block_size)
-        outputs.append(F.scaled_dot_product_attention(q[..., block, :], k[..., block, :], v[..., block, :]))
-    return torch.cat(outputs, dim=-2)
-
-
-def _block_einsum(q, k, v, block_size):
-    L, D = q.shape[-2], q.shape[-1]
-    nb = math.ceil(L / block_size)
-    pad = nb * block_size - L
-    qp, kp, vp = (F.pad(x, (0, 0, 0, pad)).unflatten(-2, (nb, block_size)) for x in (q, k, v))  # (..., nb, b, D)
-    scores = torch.einsum("...nqd,...nkd->...nqk", qp, kp) / math.sqrt(D)  # (..., nb, b, b)
-    real = (torch.arange(nb * block_size) < L).view(nb, 1, block_size)  # (nb, 1, b)
-    weights = scores.masked_fill(~real, float("-inf")).softmax(-1)  # (..., nb, b, b)
-    out = torch.einsum("...nqk,...nkd->...nqd", weights, vp)  # (..., nb, b, Dv)
-    return out.flatten(-3, -2)[..., :L, :]  # (..., L, Dv)
 
 
 def _linear_einsum(q, k, v, mask):
@@ -193,8 +159,6 @@ def _online_both_chunked(q, k, v, chunk_size):
 ALTERNATIVES = {
     "04.attention_flops": [_flops_per_matmul, _flops_tensor],
     "04.saved_tensor_bytes": [_saved_dict, _saved_storages],
-    "05.sliding_window_mask": [_window_triangles, _window_loop],
-    "05.block_local_attention": [_block_loop, _block_einsum],
     # The quadratic (L, S) forms are rejected since issue 11 (catalogue entries of kind "algorithm").
     "06.linear_attention": [_linear_einsum, _linear_key_chunks],
     "06.causal_linear_attention": [_causal_rnn, _causal_chunked_cumsum],
@@ -206,7 +170,7 @@ ALTERNATIVE_CASES = [(task_id, i) for task_id, fns in ALTERNATIVES.items() for i
 
 def test_every_task_of_lessons_04_to_07_has_alternatives():
     assert set(ALTERNATIVES) == set(OURS)
-    assert {"04", "05", "06", "07"} == {task_id.split(".")[0] for task_id in OURS}
+    assert {"04", "06", "07"} == {task_id.split(".")[0] for task_id in OURS}
     for task_id in OURS:
         assert 2 <= sum(t.split(".")[0] == task_id.split(".")[0] for t in OURS) <= 4
 
@@ -235,15 +199,3 @@ def test_flop_cases_are_counted_by_pytorch_not_by_our_formula():
     for case in TASKS["04.attention_flops"].make_cases():
         B, H, L, S, D, Dv = case.args
         assert _counted_flops(*case.args) == 2 * B * H * L * S * (D + Dv)
-
-
-def test_a_variant_equal_to_the_right_answer_is_never_a_diagnosis():
-    """Full attention IS block-local attention when the block covers the sequence: no bogus hint there."""
-    task = TASKS["05.block_local_attention"]
-    long_block = next(c for c in task.make_cases() if "block_size=8" in c.name)
-    q, k, v, block = long_block.args
-    right = task.reference(q, k, v, block)
-    message = distinct_match(right, right, [(lambda: F.scaled_dot_product_attention(q, k, v), "full attention")])
-    assert message is None
-    wrong = right + 1
-    assert distinct_match(wrong, right, [(lambda: wrong.clone(), "off by one")]) == "Off by one"

@@ -22,6 +22,7 @@ TASKS: dict[str, Task] = {
         lesson04.SAVED_TENSOR_BYTES,
         lesson05.SLIDING_WINDOW_MASK,
         lesson05.BLOCK_LOCAL_ATTENTION,
+        lesson05.DILATED_WINDOW_ATTENTION,
         lesson06.LINEAR_ATTENTION,
         lesson06.CAUSAL_LINEAR_ATTENTION,
         lesson07.MERGE_PARTIALS,
