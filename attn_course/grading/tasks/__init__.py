@@ -25,6 +25,7 @@ TASKS: dict[str, Task] = {
         lesson05.DILATED_WINDOW_ATTENTION,
         lesson06.LINEAR_ATTENTION,
         lesson06.CAUSAL_LINEAR_ATTENTION,
+        lesson06.CHUNKWISE_CAUSAL_LINEAR_ATTENTION,
         lesson07.MERGE_PARTIALS,
         lesson07.ONLINE_SOFTMAX_ATTENTION,
         lesson08.ATTENTION_ENTROPY,
