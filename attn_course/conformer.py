@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_tensor, shape_str, weights_keyword
+from ._checks import check_positive_int, check_tensor, shape_str, weights_keyword
 from .masks import padding_mask
 from .multihead import MultiHeadAttention
 from .positional import RelativePositionMultiHeadAttention, sinusoidal_encoding
@@ -106,9 +106,7 @@ class ConformerConfig:
             "conv_kernel_size",
             "subsampling_channels",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ConformerConfig.{name} must be a positive int, got {value!r}")
+            check_positive_int(f"ConformerConfig.{name}", getattr(self, name))
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
         if self.d_model % 2:

@@ -26,24 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_mask, check_tensor, shape_str, weights_keyword
+from ._checks import check_mask, check_positive_int, check_tensor, shape_str, weights_keyword
 from .attention import scaled_dot_product_attention
-from .masks import causal_mask
-from .multihead import MultiHeadAttention, merge_heads, split_heads
+from .masks import with_causal
+from .multihead import MultiHeadAttention
 
-__all__ = [
-    "GroupedQueryAttention",
-    "grouped_attention",
-    "repeat_kv",
-    "kv_cache_bytes",
-    "compare_kv_cache_memory",
-]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+__all__ = ["GroupedQueryAttention", "grouped_attention", "repeat_kv"]
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -56,7 +44,7 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     check_tensor("x", x, min_dim=1)
     if x.dim() != 4:
         raise ValueError(f"x must be (B, Hkv, S, D), got shape {shape_str(x.shape)}")
-    groups = _positive_int("groups", groups)
+    groups = check_positive_int("groups", groups)
     return x.repeat_interleave(groups, dim=1)  # (B, Hkv * groups, S, D)
 
 
@@ -127,13 +115,7 @@ def grouped_attention(
     if is_causal:
         # Folding G heads into the query axis would shift a top-left causal mask between
         # heads, so the causal pattern is written out per head before folding.
-        causal = causal_mask(L, S, device=q.device)  # (L, S)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal  # (..., L, S)
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))  # (..., L, S)
+        mask = with_causal(mask, L, S, device=q.device)  # (..., L, S)
     if mask is not None:
         mask = _fold_mask(mask, B=B, H=H, L=L, S=S, num_kv_heads=num_kv_heads)  # (B or 1, Hkv, G * L, S)
     q_folded = q.reshape(B, num_kv_heads, groups * L, D)  # (B, Hkv, G * L, D); query head h = kv * G + g
@@ -158,8 +140,10 @@ class GroupedQueryAttention(MultiHeadAttention):
 
     A ``MultiHeadAttention`` whose key and value projections produce ``num_kv_heads`` heads
     of size ``head_dim = d_model // num_heads`` instead of ``num_heads``: ``k_proj`` and
-    ``v_proj`` map to ``num_kv_heads * head_dim`` features. The query and output projections,
-    ``forward``'s arguments and the returned shapes are those of ``MultiHeadAttention``.
+    ``v_proj`` map to ``num_kv_heads * head_dim`` features, and the attention step
+    (:meth:`attend`) is :func:`grouped_attention`. Everything else -- the query and output
+    projections, ``forward`` itself, its arguments and the returned shapes -- is
+    ``MultiHeadAttention``'s.
 
     Args:
         d_model: model dim E.
@@ -186,7 +170,7 @@ class GroupedQueryAttention(MultiHeadAttention):
         super().__init__(
             d_model, num_heads, bias=bias, dropout=dropout, kdim=kdim, vdim=vdim, fused=fused, device=device, dtype=dtype
         )
-        num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             choices = [h for h in range(1, num_heads + 1) if num_heads % h == 0]
             raise ValueError(
@@ -207,40 +191,18 @@ class GroupedQueryAttention(MultiHeadAttention):
             f"head_dim={self.head_dim}, dropout={self.dropout}"
         )
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        *,
-        mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attend from ``query`` ``(B, L, E)`` to ``key``/``value`` ``(B, S, kdim/vdim)``.
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        mask: torch.Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention step with shared K/V heads: q ``(B, H, L, D)``, k and v ``(B, Hkv, S, D)``.
 
-        Same contract as ``MultiHeadAttention.forward``: returns ``out`` ``(B, L, E)``, or
-        ``(out, weights)`` with per-query-head weights ``(B, H, L, S)``.
+        ``MultiHeadAttention.forward`` projects (k_proj and v_proj to ``Hkv`` heads), splits and
+        merges as usual; only this step differs: :func:`grouped_attention` instead of
+        ``scaled_dot_product_attention``. Returns ``(context (B, H, L, D), weights (B, H, L, S) or None)``.
         """
-        key = query if key is None else key
-        value = key if value is None else value
-        self._check_inputs(query, key, value)
-        q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
-        k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, S, D)
-        v = split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, S, D)
-        attended = grouped_attention(
-            q,
-            k,
-            v,
-            mask,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            fused=None if self.fused else False,
-        )
-        context, weights = attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S)
-        out = self.out_proj(merge_heads(context))  # (B, L, E)
-        return (out, weights) if need_weights else out
+        attended = grouped_attention(q, k, v, mask, is_causal=is_causal, need_weights=need_weights, **self._kernel_options())
+        return attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S) or None
 
     @classmethod
     def from_multihead(cls, module: MultiHeadAttention, num_kv_heads: int) -> GroupedQueryAttention:
@@ -282,71 +244,10 @@ class GroupedQueryAttention(MultiHeadAttention):
         return new
 
 
-def kv_cache_bytes(
-    *,
-    batch_size: int,
-    seq_len: int,
-    num_kv_heads: int,
-    head_dim: int,
-    num_layers: int = 1,
-    dtype: torch.dtype = torch.float32,
-) -> int:
-    """Bytes a KV cache needs: keys and values for every layer, sequence, position and K/V head.
+def __getattr__(name: str) -> object:
+    """``kv_cache_bytes`` and ``compare_kv_cache_memory`` moved to ``attn_course.kv_cache``; old imports still work."""
+    if name in ("kv_cache_bytes", "compare_kv_cache_memory"):
+        from . import kv_cache  # imported here: kv_cache imports this module
 
-        2 (K and V) x num_layers x batch_size x seq_len x num_kv_heads x head_dim x bytes per element
-
-    It scales with ``num_kv_heads``, not with the number of query heads: that is the point of
-    MQA and GQA. ``attn_course.kv_cache.KVCache.nbytes`` is this figure for a real buffer.
-    """
-    for name, value in (
-        ("batch_size", batch_size),
-        ("seq_len", seq_len),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-        ("num_layers", num_layers),
-    ):
-        _positive_int(name, value)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * batch_size * seq_len * num_kv_heads * head_dim * itemsize
-
-
-def compare_kv_cache_memory(
-    *,
-    d_model: int,
-    num_heads: int,
-    kv_heads: tuple[int, ...] | None = None,
-    batch_size: int = 1,
-    seq_len: int = 4096,
-    num_layers: int = 1,
-    dtype: torch.dtype = torch.float32,
-) -> list[dict[str, object]]:
-    """KV-cache size of MHA, GQA and MQA for one model shape, one row per ``num_kv_heads``.
-
-    ``kv_heads`` defaults to every divisor of ``num_heads``, from ``num_heads`` (MHA) down to
-    1 (MQA). Each row: ``name``, ``num_kv_heads``, ``bytes``, ``mib``, and ``fraction`` (of
-    the MHA cache, i.e. ``num_kv_heads / num_heads``).
-    """
-    d_model, num_heads = _positive_int("d_model", d_model), _positive_int("num_heads", num_heads)
-    if d_model % num_heads != 0:
-        raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
-    head_dim = d_model // num_heads
-    if kv_heads is None:
-        kv_heads = tuple(h for h in range(num_heads, 0, -1) if num_heads % h == 0)
-    full = kv_cache_bytes(
-        batch_size=batch_size, seq_len=seq_len, num_kv_heads=num_heads, head_dim=head_dim,
-        num_layers=num_layers, dtype=dtype,
-    )
-    rows = []
-    for count in kv_heads:
-        count = _positive_int("num_kv_heads", count)
-        if num_heads % count != 0:
-            raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={count}")
-        name = "MHA" if count == num_heads else "MQA" if count == 1 else f"GQA-{count}"
-        size = kv_cache_bytes(
-            batch_size=batch_size, seq_len=seq_len, num_kv_heads=count, head_dim=head_dim,
-            num_layers=num_layers, dtype=dtype,
-        )
-        rows.append({"name": name, "num_kv_heads": count, "bytes": size, "mib": size / 2**20, "fraction": size / full})
-    return rows
+        return getattr(kv_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """A small, readable training loop for the lessons' demos: batches, AdamW, a tqdm bar, a history.
 
-Every lesson that trains a model (02 heads, 08 debugging, 09 ViT, 10 Conformer, 11 dynamic
-heads) uses ``fit`` and ``accuracy`` from here, so the loop is written (and tested) once.
+Every lesson that trains a model -- lessons 02 (heads), 08 (debugging), 09 (ViT), 10 (Conformer)
+and 11 (dynamic heads) -- uses ``fit`` and ``accuracy`` from here, so the loop is written (and
+tested) once.
 """
 
 from __future__ import annotations

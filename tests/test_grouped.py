@@ -141,7 +141,7 @@ def test_from_multihead_mean_pools_and_is_exact_for_equal_heads(gen):
 def test_constructor_and_input_errors(gen):
     with pytest.raises(ValueError, match=r"num_heads=8 is not divisible by num_kv_heads=3.*one of \[1, 2, 4, 8\]"):
         GroupedQueryAttention(32, 8, 3)
-    with pytest.raises(ValueError, match=r"num_kv_heads must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"num_kv_heads must be >= 1, got 0"):
         GroupedQueryAttention(32, 8, 0)
     with pytest.raises(ValueError, match=r"d_model=30 is not divisible by num_heads=8"):
         GroupedQueryAttention(30, 8, 2)
@@ -171,7 +171,7 @@ def test_kv_cache_bytes_and_comparison():
     assert rows[0]["bytes"] == 2 * 6 * 1 * 1024 * 8 * 64 * 2
     with pytest.raises(ValueError, match=r"num_heads=8 is not divisible by num_kv_heads=3"):
         compare_kv_cache_memory(d_model=512, num_heads=8, kv_heads=(3,))
-    with pytest.raises(ValueError, match=r"seq_len must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"seq_len must be >= 1, got 0"):
         kv_cache_bytes(batch_size=1, seq_len=0, num_kv_heads=1, head_dim=4)
 
 

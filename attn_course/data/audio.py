@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_tensor, shape_str
+from .._checks import check_positive_int, check_tensor, shape_str
 
 __all__ = [
     "SAMPLE_RATE",
@@ -231,8 +231,7 @@ def make_dtmf_dataset(
     ``f_max`` go to :func:`log_mel_spectrogram`; ``clip_options`` to :func:`synthesize_clip`
     (durations, level, SNR). With ``return_waveforms`` also returns the clips ``(N, samples)``.
     """
-    if isinstance(num_clips, bool) or not isinstance(num_clips, int) or num_clips < 1:
-        raise ValueError(f"num_clips must be a positive int, got {num_clips!r}")
+    check_positive_int("num_clips", num_clips)
     if not 1 <= presses[0] <= presses[1]:
         raise ValueError(f"presses must be (low, high) with 1 <= low <= high, got {presses}")
     generator = torch.Generator().manual_seed(seed)
