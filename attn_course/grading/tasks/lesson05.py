@@ -756,7 +756,7 @@ def _dilated_in_place(q, k, v, window, dilation):
 
 DILATED_WINDOW_ATTENTION = Task(
     id="05.dilated_window_attention",
-    title="Stretch: dilated sliding-window attention",
+    title="Dilated sliding-window attention",
     function_name="dilated_window_attention",
     make_cases=_dilated_cases,
     judge=_judge_dilated,

@@ -873,7 +873,7 @@ def _chunkwise_delegates(q, k, v, chunk_size):
 
 CHUNKWISE_CAUSAL_LINEAR_ATTENTION = Task(
     id="06.chunkwise_causal_linear_attention",
-    title="Stretch: chunkwise-parallel causal linear attention",
+    title="Chunkwise-parallel causal linear attention",
     function_name="chunkwise_causal_linear_attention",
     make_cases=_chunkwise_cases,
     judge=_judge_chunkwise,
