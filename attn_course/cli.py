@@ -183,7 +183,7 @@ def _grade(argv: list[str]) -> int:
     """``attn-course grade``: the only command that imports the grader."""
     from .grading import batch
 
-    parser = _Parser(prog="attn-course grade", description="grade submitted notebooks in separate processes")
+    parser = _Parser(prog="attn-course grade", description="grade submitted notebooks, each in its own sandbox (bubblewrap), and write CSV/JSON grade sheets")
     batch.add_arguments(parser)  # the grader's options live next to the grader
     return batch.run_from_args(parser.parse_args(argv))
 
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     runtimes.set_defaults(func=_cmd_runtimes)
 
     # Listed for --help; main() hands `grade ...` to the grader's own parser before this one runs.
-    sub.add_parser("grade", help="grade submitted notebooks in separate processes; write CSV/JSON (see grade --help)")
+    sub.add_parser("grade", help="grade submitted notebooks, each in its own sandbox; write CSV/JSON (see grade --help)")
     return parser
 
 

@@ -7,15 +7,16 @@ heads between query heads:
 
 * **multi-query attention** (MQA; Shazeer, 2019): one K/V head for all ``H`` query heads;
 * **grouped-query attention** (GQA; Ainslie et al., 2023): ``num_kv_heads`` K/V heads, each
-  shared by a group of ``G = num_heads // num_kv_heads`` consecutive query heads.
+  shared by ``R = num_heads // num_kv_heads`` consecutive query heads (R repeats; lesson 11 names a
+  layout GQA-G after its G = Hkv key/value heads).
 
 Both are one module here: ``num_kv_heads=1`` is MQA, ``num_kv_heads=num_heads`` is ordinary
-multi-head attention. Query head ``h`` reads K/V head ``h // G``, which is what
+multi-head attention. Query head ``h`` reads K/V head ``h // R``, which is what
 ``repeat_kv`` (``repeat_interleave`` along the head axis) spells out; the module gets the
-same numbers without copying K or V, by folding the G query heads of a group into the
+same numbers without copying K or V, by folding the R query heads of a group into the
 query axis.
 
-Shape legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, L query length,
+Shape legend: B batch, H query heads, Hkv key/value heads, R = H // Hkv, L query length,
 S key length, D head dim, E model dim. Masks: bool, True = may attend.
 
 Taught in lesson 11 (dynamic heads and beyond).
@@ -34,25 +35,25 @@ from .multihead import MultiHeadAttention
 __all__ = ["GroupedQueryAttention", "grouped_attention", "repeat_kv"]
 
 
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(B, Hkv, S, D)`` -> ``(B, Hkv * groups, S, D)``: each K/V head repeated for its query group.
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``(B, Hkv, S, D)`` -> ``(B, Hkv * n_rep, S, D)``: each K/V head repeated for its query group.
 
     ``repeat_interleave`` puts the copies of head 0 first (heads 0, 0, 1, 1, ... for
-    ``groups=2``), so query head ``h`` meets K/V head ``h // groups``. This materialises the
+    ``n_rep=2``), so query head ``h`` meets K/V head ``h // n_rep``. This materialises the
     copies; it is the reference that ``grouped_attention`` is tested against.
     """
     check_tensor("x", x, min_dim=1)
     if x.dim() != 4:
         raise ValueError(f"x must be (B, Hkv, S, D), got shape {shape_str(x.shape)}")
-    groups = check_positive_int("groups", groups)
-    return x.repeat_interleave(groups, dim=1)  # (B, Hkv * groups, S, D)
+    n_rep = check_positive_int("n_rep", n_rep)
+    return x.repeat_interleave(n_rep, dim=1)  # (B, Hkv * n_rep, S, D)
 
 
 def _fold_mask(mask: torch.Tensor, *, B: int, H: int, L: int, S: int, num_kv_heads: int) -> torch.Tensor:
-    """A mask broadcastable to ``(B, H, L, S)`` -> ``(B or 1, Hkv, G * L, S)``, matching folded queries."""
+    """A mask broadcastable to ``(B, H, L, S)`` -> ``(B or 1, Hkv, R * L, S)``, matching folded queries."""
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (b, h, l, s), each 1 or full size
     mask = mask.expand(mask.shape[0], H, L, S)  # (b, H, L, S), a view
-    return mask.reshape(mask.shape[0], num_kv_heads, (H // num_kv_heads) * L, S)  # (b, Hkv, G * L, S)
+    return mask.reshape(mask.shape[0], num_kv_heads, (H // num_kv_heads) * L, S)  # (b, Hkv, R * L, S)
 
 
 @weights_keyword
@@ -81,11 +82,11 @@ def grouped_attention(
 
     Returns:
         ``out`` ``(B, H, L, Dv)``, or ``(out, weights)`` with weights ``(B, H, L, S)``.
-        Equal to ``scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G))``.
+        Equal to ``scaled_dot_product_attention(q, repeat_kv(k, R), repeat_kv(v, R))``.
 
-    How: the G query heads of a group all read the same keys and values, so they are just
-    G times more queries for that K/V head. We fold them into the query axis,
-    ``(B, H, L, D) -> (B, Hkv, G * L, D)``, and run ordinary attention against the
+    How: the R query heads of a group all read the same keys and values, so they are just
+    R times more queries for that K/V head. We fold them into the query axis,
+    ``(B, H, L, D) -> (B, Hkv, R * L, D)``, and run ordinary attention against the
     ``Hkv`` K/V heads as they are -- K and V are never copied.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -108,17 +109,17 @@ def grouped_attention(
             f"q, k and v must share the batch size B: q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
             f"v {shape_str(v.shape)}"
         )
-    groups = H // num_kv_heads
+    n_rep = H // num_kv_heads
     S = k.shape[2]
     if mask is not None:
         mask = check_mask(mask, (B, H, L, S), device=q.device)
     if is_causal:
-        # Folding G heads into the query axis would shift a top-left causal mask between
+        # Folding R heads into the query axis would shift a top-left causal mask between
         # heads, so the causal pattern is written out per head before folding.
         mask = with_causal(mask, L, S, device=q.device)  # (..., L, S)
     if mask is not None:
-        mask = _fold_mask(mask, B=B, H=H, L=L, S=S, num_kv_heads=num_kv_heads)  # (B or 1, Hkv, G * L, S)
-    q_folded = q.reshape(B, num_kv_heads, groups * L, D)  # (B, Hkv, G * L, D); query head h = kv * G + g
+        mask = _fold_mask(mask, B=B, H=H, L=L, S=S, num_kv_heads=num_kv_heads)  # (B or 1, Hkv, R * L, S)
+    q_folded = q.reshape(B, num_kv_heads, n_rep * L, D)  # (B, Hkv, R * L, D); query head h = kv * R + r
     attended = scaled_dot_product_attention(
         q_folded,
         k,
@@ -130,7 +131,7 @@ def grouped_attention(
         fused=fused,
     )
     if need_weights:
-        out, weights = attended  # (B, Hkv, G * L, Dv), (B, Hkv, G * L, S)
+        out, weights = attended  # (B, Hkv, R * L, Dv), (B, Hkv, R * L, S)
         return out.reshape(B, H, L, -1), weights.reshape(B, H, L, S)  # (B, H, L, Dv), (B, H, L, S)
     return attended.reshape(B, H, L, -1)  # (B, H, L, Dv)
 
@@ -178,7 +179,7 @@ class GroupedQueryAttention(MultiHeadAttention):
                 f"serves the same number of query heads, so num_kv_heads must be one of {choices}"
             )
         self.num_kv_heads = num_kv_heads
-        self.groups = num_heads // num_kv_heads
+        self.n_rep = num_heads // num_kv_heads  # R: query heads per key/value head
         factory = {"device": device, "dtype": dtype}
         kv_features = num_kv_heads * self.head_dim
         # Replace the parent's (E -> E) key/value projections by narrower ones.
@@ -229,16 +230,16 @@ class GroupedQueryAttention(MultiHeadAttention):
             device=weight.device,
             dtype=weight.dtype,
         )
-        D, groups = new.head_dim, new.groups
+        D, n_rep = new.head_dim, new.n_rep
         with torch.no_grad():
             new.q_proj.load_state_dict(module.q_proj.state_dict())
             new.out_proj.load_state_dict(module.out_proj.state_dict())
             for name in ("k_proj", "v_proj"):
                 source, target = getattr(module, name), getattr(new, name)
-                w = source.weight.view(num_kv_heads, groups, D, source.in_features)  # (Hkv, G, D, in)
+                w = source.weight.view(num_kv_heads, n_rep, D, source.in_features)  # (Hkv, R, D, in)
                 target.weight.copy_(w.mean(dim=1).reshape(num_kv_heads * D, source.in_features))  # (Hkv * D, in)
                 if has_bias:
-                    b = source.bias.view(num_kv_heads, groups, D)  # (Hkv, G, D)
+                    b = source.bias.view(num_kv_heads, n_rep, D)  # (Hkv, R, D)
                     target.bias.copy_(b.mean(dim=1).reshape(num_kv_heads * D))  # (Hkv * D,)
         new.train(module.training)
         return new

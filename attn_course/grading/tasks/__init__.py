@@ -40,6 +40,7 @@ TASKS: dict[str, Task] = {
         lesson09.VIT_ATTENTION,
         lesson10.REL_SHIFT,
         lesson10.CONV_MODULE,
+        lesson10.STREAMING_CONV,
         lesson11.REPEAT_KV,
         lesson11.DECODE_ATTENTION,
         lesson11.ROTARY,
