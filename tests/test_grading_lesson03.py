@@ -152,3 +152,13 @@ def test_zeroing_after_the_softmax_gets_the_same_diagnosis_in_every_check_it_fai
     assert len(failed) == 3 and all("without renormalising" in c.message for c in failed), result.report()
     empty_row_check = next(c for c in failed if "nothing to attend to" in c.name)
     assert "The empty rows are right" in empty_row_check.message
+
+
+def test_the_lessons_wrong_first_attempts_get_the_feedback_the_lessons_show():
+    """attn_course.grading.examples holds the attempts lessons 00 and 03 grade without printing their code."""
+    from attn_course.grading import examples
+
+    shifted = grade_function(TASKS["03.causal_mask"], examples.causal_mask_shifted_by_one)
+    assert shifted.score == 1 and "shifted by one" in shifted.feedback, shifted.report()
+    zeroing = grade_function(TASKS["03.masked_attention"], examples.masked_attention_zeroing_after_softmax)
+    assert zeroing.score == 2 and "without renormalising" in zeroing.feedback, zeroing.report()
