@@ -2,7 +2,9 @@
 
 Submissions are built here with nbformat. Most bad behaviours share ONE `attn-course grade` run
 (each child process imports torch, a few seconds), with short limits: 3 s per cell and per
-function call, 1 GiB of address space.
+function call, 1 GiB of address space. They run in the bubblewrap sandbox where it works, else
+with `--sandbox off` (what the grader checks is the same; the attacks on the sandbox itself are in
+tests/test_sandbox.py, which needs it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from attn_course import cli
-from attn_course.grading import batch, runner
+from attn_course.grading import batch, runner, sandbox
 from attn_course.grading.core import Outcome, grade_function
 from attn_course.grading.tasks import TASKS, tasks_for_lesson
 
@@ -53,6 +55,17 @@ torch.save = lambda *args, **kwargs: None
 builtins.print = lambda *args, **kwargs: sys.stdout.write("03.causal_mask - Causal mask: 3/3 points\\n")"""
 FAKE_PRINT = 'print("03.causal_mask - Causal mask: 3/3 points\\n  All checks passed. Well done!")\ngrading.check("03.causal_mask", causal_mask)'
 INFINITE_CELL = "while True:\n    pass"
+
+
+def _sandbox_mode() -> str:
+    try:
+        sandbox.check_available()
+    except sandbox.SandboxUnavailable:
+        return "off"
+    return "bwrap"
+
+
+MODE = _sandbox_mode()
 
 
 def write_notebook(path: Path, *sources: str) -> Path:
@@ -97,7 +110,8 @@ def graded(tmp_path_factory):
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = cli.main(["grade", str(folder), "--tasks", TASK, "--csv", str(out_csv), "--json", str(out_json),
-                         "--timeout", "120", "--cell-timeout", str(CELL_TIMEOUT), "--memory-mb", "1024"])
+                         "--timeout", "120", "--cell-timeout", str(CELL_TIMEOUT), "--memory-mb", "1024",
+                         "--sandbox", MODE, "--jobs", "1"])
     assert code == 0, stderr.getvalue()
     with open(out_csv, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -121,16 +135,21 @@ def test_batch_goes_on_and_writes_one_row_per_submission_and_task(graded):
         assert sub["score"] == sum(t["score"] for t in sub["tasks"])
         assert sub["max_score"] == sum(t["max_score"] for t in sub["tasks"]) == 3
     summary = graded["stdout"]
-    assert graded["stderr"].count(" s)\n") == len(expected)  # a progress line per notebook
+    progress = [line for line in graded["stderr"].splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == [f"[{i}/{len(expected)}" for i in range(1, len(expected) + 1)]
+    assert "8 notebooks graded in" in graded["stderr"]  # a progress line per notebook, then the total
     for name in expected:
         assert name in summary
     assert "8 notebooks, 8 rows" in summary
+    assert {row["sandbox"] for row in graded["rows"]} == {MODE}
 
 
 def test_correct_submission_gets_full_marks(graded):
     row = graded["row"]["correct"]
     assert (row["status"], float(row["score"]), float(row["max_score"])) == ("graded", 3.0, 3.0)
     assert row["feedback"] == ""
+    usage = graded["json"]["correct"]
+    assert usage["peak_memory_mb"] > 50 and usage["cpu_seconds"] > 0.1  # it imported torch: measured, not zero
 
 
 def test_untouched_stub_gets_zero(graded):
@@ -209,34 +228,49 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains ``marker`` (the sandbox hides its pids from itself, not from us)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in entry.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return [pid for pid in found if _alive(pid)]
+
+
 def test_a_notebook_past_its_time_limit_is_killed_and_keeps_its_finished_tasks(tmp_path):
     other = next(task for task in TASKS.values() if task.id != TASK)  # any second task
-    pid_file = tmp_path / "sleeper.pid"
+    marker = f"{600 + os.getpid() % 1000}.25"  # sleep's argument: finds the process on the host
     path = write_notebook(
         tmp_path / "stubborn.ipynb",
         "import torch",
         CORRECT,
         # A background process in the notebook's process group...
-        f"import subprocess\nsleeper = subprocess.Popen(['sleep', '600'])\nopen({str(pid_file)!r}, 'w').write(str(sleeper.pid))",
+        f"import subprocess\nsleeper = subprocess.Popen(['sleep', '{marker}'])",
         # ...and a function that swallows the per-call alarm, so only the notebook's limit stops it.
         f"def {other.function_name}(*args, **kwargs):\n    while True:\n        try:\n            while True:\n"
         "                pass\n        except BaseException:\n            pass",
     )
     start = time.perf_counter()
-    result = batch.grade_notebook(path, task_ids=[TASK, other.id], timeout_s=20, cell_timeout_s=1, memory_mb=2048)
+    result = batch.grade_notebook(path, task_ids=[TASK, other.id], timeout_s=20, cell_timeout_s=1, memory_mb=2048,
+                                  sandbox=MODE)
     assert time.perf_counter() - start < 50
     first, second = result.rows
     assert (first.task, first.status, first.score) == (TASK, "graded", 3.0)  # saved before the hang
     assert (second.task, second.status, second.score) == (other.id, "timeout", 0.0)
     assert second.max_score > 0
     assert second.feedback == "the notebook timed out after 20 s before this task could be graded"
-    sleeper = int(pid_file.read_text())
     deadline = time.time() + 10
-    while _alive(sleeper) and time.time() < deadline:
+    while _processes_with(f"sleep {marker}") and time.time() < deadline:
         time.sleep(0.2)
-    if _alive(sleeper):
-        os.kill(sleeper, signal.SIGKILL)
-        pytest.fail("the notebook's background process survived the timeout")
+    survivors = _processes_with(f"sleep {marker}")
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "the notebook's background process survived the timeout"
+    assert result.seconds >= 20
 
 
 @pytest.mark.parametrize(
@@ -250,7 +284,7 @@ def test_a_notebook_past_its_time_limit_is_killed_and_keeps_its_finished_tasks(t
     ],
 )
 def test_why_a_task_has_no_results(tmp_path, returncode, timed_out, fatal, status, words):
-    run = batch._ChildRun(tmp_path, returncode, timed_out, {"fatal": fatal}, 1.0)
+    run = batch._ChildRun(returncode, timed_out, {"fatal": fatal}, {}, 1.0)
     row = batch._judge_task(tmp_path / "x.ipynb", TASKS[TASK], run, timeout_s=120, memory_mb=4096)
     assert (row.status, row.score, row.max_score) == (status, 0.0, 3.0)
     assert words in row.feedback
@@ -295,7 +329,7 @@ def test_students_and_tasks_come_from_the_file_names(tmp_path):
 
 
 def test_a_notebook_without_a_lesson_number_gets_a_no_tasks_row(tmp_path):
-    result = batch.grade_notebook(write_notebook(tmp_path / "scratch.ipynb", "x = 1"))
+    result = batch.grade_notebook(write_notebook(tmp_path / "scratch.ipynb", "x = 1"), sandbox=MODE)
     [row] = result.rows
     assert (row.status, row.score, row.max_score) == ("no-tasks", 0.0, 0.0)
     assert "--tasks" in row.feedback
@@ -305,7 +339,7 @@ def test_a_notebook_without_a_lesson_number_gets_a_no_tasks_row(tmp_path):
 def test_json_that_is_not_a_notebook_is_unreadable(tmp_path, text):
     path = tmp_path / "03_x.ipynb"
     path.write_bytes(text.encode("latin-1"))
-    [row] = batch.grade_notebook(path, task_ids=[TASK]).rows
+    [row] = batch.grade_notebook(path, task_ids=[TASK], sandbox=MODE).rows
     assert (row.status, row.score) == ("unreadable", 0.0)
 
 
@@ -334,9 +368,10 @@ def _course_notebooks(folder: str) -> list:
 
 @pytest.fixture(scope="module")
 def course_grades():
-    """Every solution and exercise notebook, graded in one batch with the default limits."""
+    """Every solution and exercise notebook, graded in one batch with the default limits, two at a time
+    (tests/test_sandbox.py grades lesson 03's with --jobs 1 among hostile notebooks)."""
     paths = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")) + sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
-    results = batch.grade_batch(paths, timeout_s=300)
+    results = batch.grade_batch(paths, timeout_s=300, jobs=2, sandbox=MODE)
     return {Path(r.submission): r for r in results}
 
 

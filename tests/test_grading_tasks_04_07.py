@@ -104,11 +104,16 @@ def _linear_einsum(q, k, v, mask):
     return num / (den + 1e-6)
 
 
-def _linear_quadratic(q, k, v, mask):
-    a = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)  # (..., L, S)
+def _linear_key_chunks(q, k, v, mask, chunk=64):
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M), (..., S, M)
     if mask is not None:
-        a = a * mask
-    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+        phi_k = phi_k * mask.transpose(-2, -1)  # (..., S, M), padding zeroed
+    kv, z = 0, 0
+    for start in range(0, k.shape[-2], chunk):
+        part = phi_k[..., start : start + chunk, :]  # (..., c, M)
+        kv = kv + part.transpose(-2, -1) @ v[..., start : start + chunk, :]  # (..., M, Dv)
+        z = z + part.sum(-2)  # (..., M)
+    return (phi_q @ kv) / ((phi_q * z[..., None, :]).sum(-1, keepdim=True) + 1e-6)
 
 
 def _causal_rnn(q, k, v):
@@ -124,9 +129,17 @@ def _causal_rnn(q, k, v):
     return torch.stack(outputs, dim=-2)
 
 
-def _causal_tril(q, k, v):
-    a = ((F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)).tril()  # (..., L, L)
-    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+def _causal_chunked_cumsum(q, k, v, chunk=32):
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M)
+    carry_kv, carry_z, outputs = 0, 0, []
+    for start in range(0, q.shape[-2], chunk):
+        pk, pq, pv = (x[..., start : start + chunk, :] for x in (phi_k, phi_q, v))  # (..., c, M or Dv)
+        kv = carry_kv + (pk[..., :, :, None] * pv[..., :, None, :]).cumsum(-3)  # (..., c, M, Dv)
+        z = carry_z + pk.cumsum(-2)  # (..., c, M)
+        num = (pq[..., :, :, None] * kv).sum(-2)  # (..., c, Dv)
+        outputs.append(num / ((pq * z).sum(-1, keepdim=True) + 1e-6))
+        carry_kv, carry_z = kv[..., -1:, :, :], z[..., -1:, :]  # sums up to the chunk's end
+    return torch.cat(outputs, dim=-2)
 
 
 def _merge_where(first, second):
@@ -182,8 +195,9 @@ ALTERNATIVES = {
     "04.saved_tensor_bytes": [_saved_dict, _saved_storages],
     "05.sliding_window_mask": [_window_triangles, _window_loop],
     "05.block_local_attention": [_block_loop, _block_einsum],
-    "06.linear_attention": [_linear_einsum, _linear_quadratic],
-    "06.causal_linear_attention": [_causal_rnn, _causal_tril],
+    # The quadratic (L, S) forms are rejected since issue 11 (catalogue entries of kind "algorithm").
+    "06.linear_attention": [_linear_einsum, _linear_key_chunks],
+    "06.causal_linear_attention": [_causal_rnn, _causal_chunked_cumsum],
     "07.merge_partials": [_merge_where, _merge_nan_to_num],
     "07.online_softmax_attention": [_online_lse, _online_both_chunked],
 }

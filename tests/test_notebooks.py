@@ -181,3 +181,17 @@ def test_nbval_sanitizer_reads_a_bar_at_0_and_at_100_percent_alike():
     end = "training: 100%|██████████| 6/6 [00:26<00:00,  4.25s/it]"
     assert sanitize(start) == sanitize(end) == "training:PROGRESS"
     assert sanitize("max |diff| < 1e-6: True") == "max |diff| < 1e-6: True", "ordinary output keeps its text"
+
+
+@pytest.mark.parametrize(
+    "path", [p for folder in ("notebooks", "solutions") for p in sorted((ROOT / folder).glob("*.ipynb"))], ids=_rel
+)
+def test_every_code_cell_is_stored_executed(path):
+    """Lessons and solutions are committed with their outputs: a learner reads the feedback, nbval compares it."""
+    nb = nbformat.read(path, as_version=4)
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    unexecuted = [i for i, c in code if c.execution_count is None]
+    assert not unexecuted, (
+        f"{_rel(path)}: code cells {unexecuted} are stored unexecuted (execution_count None). Regenerate it: "
+        f"OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 ATTN_COURSE_THREADS=2 .venv/bin/attn-course regenerate {_rel(path)}"
+    )

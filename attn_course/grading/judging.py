@@ -9,6 +9,10 @@ A judge reads top to bottom::
             expect_shape(mask, (4, 4), what="causal_mask(4)")
         ...
         return checklist.results
+
+For tasks that declare probes (``Task.measure``), ``expect_largest_below`` and
+``expect_flops_at_most`` turn ``outcome.probe`` into a verdict whose message names the
+constraint ("your function built a 512 x 384 tensor: linear attention never forms (L, S)").
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ __all__ = [
     "expect_close",
     "expect_finite",
     "expect_inputs_unchanged",
+    "expect_largest_below",
+    "expect_flops_at_most",
 ]
 
 NOT_IMPLEMENTED = "not implemented yet: replace the `raise NotImplementedError` line with your code"
@@ -108,3 +114,46 @@ def expect_inputs_unchanged(case: Case, outcome: Outcome, *, what: str = "your f
                     f"{what} changed its input argument {index} in place (e.g. with `-=`, `.sub_()` or "
                     "`masked_fill_`). Work on a new tensor instead: callers do not expect their data to change."
                 )
+
+
+def _measured(outcome: Outcome, key: str, what: str) -> int:
+    value = outcome.probe.get(key) if isinstance(outcome.probe, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        reason = outcome.probe.get("probe_error") if isinstance(outcome.probe, dict) else None
+        raise Fail(
+            f"{what}: the grader could not measure your function's {key.replace('_', ' ')}"
+            + (f" ({reason})" if isinstance(reason, str) else "")
+            + ". Run it again without changing the profiler or dispatch modes."
+        )
+    return int(value)
+
+
+def expect_largest_below(outcome: Outcome, limit: int, *, what: str, constraint: str) -> None:
+    """Fail when the call created a tensor of ``limit`` elements or more (needs ``measure=("largest",)``).
+
+    ``constraint`` says what the algorithm never builds and why, e.g. "linear attention never
+    forms the (L, S) = (512, 384) matrix; keep every intermediate below L * S elements".
+    Views and in-place results do not count (see ``probes``).
+    """
+    numel = _measured(outcome, "largest_numel", what)
+    if numel >= limit:
+        shape = outcome.probe.get("largest_shape") or "?"
+        op = outcome.probe.get("largest_op") or "?"
+        raise Fail(
+            f"{what}: your function built a {shape} tensor ({numel:,} elements, made by {op}, limit {limit:,}): "
+            f"{constraint}"
+        )
+
+
+def expect_flops_at_most(outcome: Outcome, limit: float, *, what: str, intended: float, hint: str) -> None:
+    """Fail when the call did more than ``limit`` operations (needs ``measure=("flops",)``).
+
+    ``intended`` is the intended algorithm's count on this case (a formula in the task), so the
+    message can say how far off the learner is; ``limit`` is usually a small factor times it.
+    """
+    flops = _measured(outcome, "flops", what)
+    if flops > limit:
+        raise Fail(
+            f"{what}: your function did about {flops:,} operations; the intended algorithm needs about "
+            f"{int(intended):,} (this check allows {limit / max(intended, 1):.3g} times that). {hint}"
+        )

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ...attention import scaled_dot_product_attention, stable_softmax
-from ..core import Case, Fail, Task
+from .. import probes
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
@@ -210,14 +212,17 @@ STABLE_SOFTMAX = Task(
     judge=_judge_softmax,
     reference=_softmax_reference,
     wrong={
-        "no max subtraction (exp overflows)": (_softmax_no_max, "Subtract each row's maximum"),
-        "softmax over dim=-2": (_softmax_wrong_axis, "down each column"),
-        "subtracts the max of the whole tensor": (_softmax_global_max, "whole tensor"),
-        "exp without normalising": (_softmax_unnormalised, "without dividing by the row sum"),
-        "divides by the sum of the raw scores": (_softmax_divides_by_raw_sum, "should sum to 1"),
-        "max without keepdim=True": (_softmax_no_keepdim, "keepdim=True"),
-        "NaN on an all -inf row": (_softmax_nan_on_empty_rows, "gives zeros"),
-        "overwrites its input in place": (_softmax_in_place, "in place"),
+        "no max subtraction (exp overflows)": Wrong(_softmax_no_max, "Subtract each row's maximum"),
+        "softmax over dim=-2": Wrong(_softmax_wrong_axis, "down each column"),
+        "subtracts the max of the whole tensor": Wrong(_softmax_global_max, "whole tensor"),
+        "exp without normalising": Wrong(_softmax_unnormalised, "without dividing by the row sum"),
+        "divides by the sum of the raw scores": Wrong(_softmax_divides_by_raw_sum, "should sum to 1"),
+        "max without keepdim=True": Wrong(_softmax_no_keepdim, "keepdim=True"),
+        "NaN on an all -inf row": Wrong(
+            _softmax_nan_on_empty_rows, "gives zeros",
+            one_case="only the -inf case has a row with nothing to attend to; on finite rows this softmax is right",
+        ),
+        "overwrites its input in place": Wrong(_softmax_in_place, "in place", kind="contract"),
     },
 )
 
@@ -333,7 +338,9 @@ def _judge_attention(cases, outcomes):
 
 
 def _attention_reference(q, k, v):
-    return scaled_dot_product_attention(q, k, v)
+    # Written out: the task forbids calling an attention implementation (the library's included).
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., L, S)
+    return stable_softmax(scores) @ v  # (..., L, Dv)
 
 
 def _attention_no_scale(q, k, v):
@@ -370,6 +377,20 @@ def _attention_naive_softmax(q, k, v):
     return exps / exps.sum(dim=-1, keepdim=True) @ v
 
 
+def _attention_delegates_to_torch(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _attention_delegates_to_the_course(q, k, v):
+    import attn_course as ac
+
+    return ac.scaled_dot_product_attention(q, k, v)
+
+
+def _attention_through_torch_ops(q, k, v):
+    return torch.ops.aten.scaled_dot_product_attention(q, k, v)
+
+
 def _attention_scales_q_in_place(q, k, v):
     q.mul_(1 / math.sqrt(q.shape[-1]))  # "saves a multiplication" but changes the caller's q
     return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
@@ -383,14 +404,34 @@ ATTENTION = Task(
     judge=_judge_attention,
     reference=_attention_reference,
     wrong={
-        "missing the 1/sqrt(D) scale": (_attention_no_scale, "did not scale"),
-        "divides by D instead of sqrt(D)": (_attention_scale_by_d, "divide by sqrt(D)"),
-        "scales with the sequence length": (_attention_scale_by_length, "head dim"),
-        "softmax over dim=-2": (_attention_wrong_axis, "down each column"),
-        "k reshaped instead of transposed": (_attention_k_reshaped, "k.transpose(-2, -1)"),
-        "k.transpose(0, 1) on batched input": (_attention_k_transposed_first_axes, "transpose only the last two axes"),
-        "returns the weights instead of the output": (_attention_returns_weights, "weights @ v"),
-        "softmax without max subtraction": (_attention_naive_softmax, "overflow"),
-        "scales q in place": (_attention_scales_q_in_place, "in place"),
+        "missing the 1/sqrt(D) scale": Wrong(_attention_no_scale, "did not scale"),
+        "divides by D instead of sqrt(D)": Wrong(_attention_scale_by_d, "divide by sqrt(D)"),
+        "scales with the sequence length": Wrong(_attention_scale_by_length, "head dim"),
+        "softmax over dim=-2": Wrong(_attention_wrong_axis, "down each column"),
+        "k reshaped instead of transposed": Wrong(_attention_k_reshaped, "k.transpose(-2, -1)"),
+        "k.transpose(0, 1) on batched input": Wrong(
+            _attention_k_transposed_first_axes, "transpose only the last two axes"
+        ),
+        "returns the weights instead of the output": Wrong(_attention_returns_weights, "weights @ v"),
+        "softmax without max subtraction": Wrong(
+            _attention_naive_softmax, "overflow",
+            one_case="exp() overflows only in the large-scores case; on ordinary scores the naive softmax is exact",
+        ),
+        "scales q in place": Wrong(_attention_scales_q_in_place, "in place", kind="contract"),
+        "delegates to F.scaled_dot_product_attention": Wrong(
+            _attention_delegates_to_torch, "you called torch.nn.functional.scaled_dot_product_attention", kind="algorithm"
+        ),
+        "delegates to attn_course.scaled_dot_product_attention": Wrong(
+            _attention_delegates_to_the_course, "you called attn_course.scaled_dot_product_attention", kind="algorithm"
+        ),
+        "reaches PyTorch's kernel through torch.ops.aten": Wrong(
+            _attention_through_torch_ops, "you called PyTorch's aten.", kind="algorithm"
+        ),
     },
+    # The task is the attention formula itself: no attention implementation may do it for the learner.
+    forbidden=(
+        "attn_course.attention.scaled_dot_product_attention",
+        *probes.TORCH_ATTENTION,
+        *probes.TORCH_MULTIHEAD,
+    ),
 )

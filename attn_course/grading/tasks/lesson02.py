@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ...attention import scaled_dot_product_attention
 from ...multihead import MultiHeadAttention, merge_heads, split_heads
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, softmax_over_queries
 
@@ -160,11 +160,11 @@ SPLIT_HEADS = Task(
     judge=_judge_split,
     reference=_split_reference,
     wrong={
-        "reshape straight to (B, H, L, D) (mixes tokens)": (_split_reshape_straight, "straight to (B, H, L, D)"),
-        "no transpose: returns (B, L, H, D)": (_split_no_transpose, "did not move the head axis forward"),
-        "head h takes every H-th feature": (_split_strided_heads, "every H-th feature"),
-        "heads before the batch axis (H, B, L, D)": (_split_heads_first, "keep the batch axis first"),
-        "hard-coded number of heads": (_split_fixed_heads, "num_heads argument"),
+        "reshape straight to (B, H, L, D) (mixes tokens)": Wrong(_split_reshape_straight, "straight to (B, H, L, D)"),
+        "no transpose: returns (B, L, H, D)": Wrong(_split_no_transpose, "did not move the head axis forward"),
+        "head h takes every H-th feature": Wrong(_split_strided_heads, "every H-th feature"),
+        "heads before the batch axis (H, B, L, D)": Wrong(_split_heads_first, "keep the batch axis first"),
+        "hard-coded number of heads": Wrong(_split_fixed_heads, "num_heads argument"),
     },
 )
 
@@ -267,11 +267,13 @@ MERGE_HEADS = Task(
     judge=_judge_merge,
     reference=_merge_reference,
     wrong={
-        "reshape without moving the head axis back (mixes tokens)": (_merge_reshape_straight, "straight to (B, L, E)"),
-        ".view() after .transpose()": (_merge_view_after_transpose, ".contiguous().view()"),
-        "heads interleaved (flattens (D, H))": (_merge_interleaved, "interleaved"),
-        "returns (B, L, H, D) without flattening": (_merge_not_flattened, "flatten the last two axes"),
-        "sums over heads instead of concatenating": (_merge_sum_heads, "concatenates"),
+        "reshape without moving the head axis back (mixes tokens)": Wrong(
+            _merge_reshape_straight, "straight to (B, L, E)"
+        ),
+        ".view() after .transpose()": Wrong(_merge_view_after_transpose, ".contiguous().view()"),
+        "heads interleaved (flattens (D, H))": Wrong(_merge_interleaved, "interleaved"),
+        "returns (B, L, H, D) without flattening": Wrong(_merge_not_flattened, "flatten the last two axes"),
+        "sums over heads instead of concatenating": Wrong(_merge_sum_heads, "concatenates"),
     },
 )
 
@@ -468,13 +470,13 @@ MHA_FORWARD = Task(
     judge=_judge_mha,
     reference=_mha_reference,
     wrong={
-        "no output projection": (_mha_no_out_proj, "before the output projection"),
-        "heads merged without the transpose": (_mha_merge_without_transpose, "merge the heads by reshaping"),
-        "heads split without the transpose": (_mha_split_without_transpose, "split the heads by reshaping"),
-        "scale 1/sqrt(d_model) instead of 1/sqrt(head_dim)": (_mha_scale_by_d_model, "1/sqrt(head_dim)"),
-        "biases dropped": (_mha_no_biases, "dropped the biases"),
-        "x @ W instead of x @ W.T": (_mha_untransposed_weights, "x @ W.T + b"),
-        "softmax over dim=-2": (_mha_softmax_wrong_axis, "softmax over dim=-1"),
-        "folds the scale into the weights in place": (_mha_scales_weights_in_place, "in place"),
+        "no output projection": Wrong(_mha_no_out_proj, "before the output projection"),
+        "heads merged without the transpose": Wrong(_mha_merge_without_transpose, "merge the heads by reshaping"),
+        "heads split without the transpose": Wrong(_mha_split_without_transpose, "split the heads by reshaping"),
+        "scale 1/sqrt(d_model) instead of 1/sqrt(head_dim)": Wrong(_mha_scale_by_d_model, "1/sqrt(head_dim)"),
+        "biases dropped": Wrong(_mha_no_biases, "dropped the biases"),
+        "x @ W instead of x @ W.T": Wrong(_mha_untransposed_weights, "x @ W.T + b"),
+        "softmax over dim=-2": Wrong(_mha_softmax_wrong_axis, "softmax over dim=-1"),
+        "folds the scale into the weights in place": Wrong(_mha_scales_weights_in_place, "in place", kind="contract"),
     },
 )

@@ -8,7 +8,7 @@ import torch
 
 from ...attention import scaled_dot_product_attention, stable_softmax
 from ...masks import causal_mask, combine_masks, padding_mask
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
 from ._common import answered, first_match, returned, seeded_randn
 
@@ -109,12 +109,12 @@ CAUSAL_MASK = Task(
     judge=_judge_causal,
     reference=_causal_reference,
     wrong={
-        "shifted by one (diagonal=1)": (_causal_shifted, "shifted by one"),
-        "diagonal excluded (diagonal=-1)": (_causal_strict, "own position"),
-        "polarity flipped (True = blocked)": (_causal_flipped, "swapped"),
-        "float 0/1 instead of bool": (_causal_float, "dtype torch.float32"),
-        "ignores S (always square)": (_causal_square_only, "shape"),
-        "bottom-right aligned": (_causal_bottom_right, "top-left"),
+        "shifted by one (diagonal=1)": Wrong(_causal_shifted, "shifted by one"),
+        "diagonal excluded (diagonal=-1)": Wrong(_causal_strict, "own position"),
+        "polarity flipped (True = blocked)": Wrong(_causal_flipped, "swapped"),
+        "float 0/1 instead of bool": Wrong(_causal_float, "dtype torch.float32", kind="contract"),
+        "ignores S (always square)": Wrong(_causal_square_only, "shape"),
+        "bottom-right aligned": Wrong(_causal_bottom_right, "top-left"),
     },
 )
 
@@ -223,12 +223,12 @@ PADDING_MASK = Task(
     judge=_judge_padding,
     reference=_padding_reference,
     wrong={
-        "off by one (<= instead of <)": (_padding_off_by_one, "Off by one"),
-        "polarity flipped (True = padding)": (_padding_flipped, "swapped"),
-        "ignores max_len": (_padding_ignores_max_len, "max_len columns"),
-        "float 0/1 instead of bool": (_padding_float, "dtype torch.float32"),
-        "real tokens at the end (left padding)": (_padding_left, "come first"),
-        "transposed (max_len, B)": (_padding_transposed, "Rows are sequences"),
+        "off by one (<= instead of <)": Wrong(_padding_off_by_one, "Off by one"),
+        "polarity flipped (True = padding)": Wrong(_padding_flipped, "swapped"),
+        "ignores max_len": Wrong(_padding_ignores_max_len, "max_len columns"),
+        "float 0/1 instead of bool": Wrong(_padding_float, "dtype torch.float32", kind="contract"),
+        "real tokens at the end (left padding)": Wrong(_padding_left, "come first"),
+        "transposed (max_len, B)": Wrong(_padding_transposed, "Rows are sequences"),
     },
 )
 
@@ -388,12 +388,12 @@ MASKED_ATTENTION = Task(
     judge=_judge_masked,
     reference=_masked_reference,
     wrong={
-        "fills with -1e9": (_masked_minus_1e9, "does not fit in float16"),
-        "polarity flipped (masked_fill(mask, -inf))": (_masked_flipped, "swapped"),
-        "NaN for a query with nothing to attend to": (_masked_nan_on_empty_rows, "row is NaN"),
-        "masks after the softmax without renormalising": (_masked_after_softmax, "without renormalising"),
-        "multiplies the scores by the mask": (_masked_multiplies_scores, "exp(0) = 1"),
-        "ignores the mask": (_masked_ignores_mask, "ignores the mask"),
-        "scales q in place": (_masked_scales_q_in_place, "in place"),
+        "fills with -1e9": Wrong(_masked_minus_1e9, "does not fit in float16"),
+        "polarity flipped (masked_fill(mask, -inf))": Wrong(_masked_flipped, "swapped"),
+        "NaN for a query with nothing to attend to": Wrong(_masked_nan_on_empty_rows, "row is NaN"),
+        "masks after the softmax without renormalising": Wrong(_masked_after_softmax, "without renormalising"),
+        "multiplies the scores by the mask": Wrong(_masked_multiplies_scores, "exp(0) = 1"),
+        "ignores the mask": Wrong(_masked_ignores_mask, "ignores the mask"),
+        "scales q in place": Wrong(_masked_scales_q_in_place, "in place"),
     },
 )

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ...attention import scaled_dot_product_attention
 from ...bench import saved_tensor_bytes
-from ..core import Case, Fail, Outcome, Task
+from ..core import Case, Fail, Outcome, Task, Wrong
 from ..judging import NOT_IMPLEMENTED, Checklist
 
 __all__ = ["ATTENTION_FLOPS", "SAVED_TENSOR_BYTES"]
@@ -167,13 +167,13 @@ ATTENTION_FLOPS = Task(
     judge=_judge_flops,
     reference=_flops_reference,
     wrong={
-        "multiply-adds instead of FLOPs": (_flops_macs, "multiply-add is 2 FLOPs"),
-        "Q K^T only": (_flops_scores_only, "Q K^T only"),
-        "D for both matmuls": (_flops_same_dim, "used D for both"),
-        "L for S": (_flops_square, "used L where S belongs"),
-        "one batch element and head": (_flops_per_head, "multiply by B·H"),
-        "softmax counted too": (_flops_with_softmax, "counts the two matmuls only"),
-        "the article's O(N^2 d) as a count": (_flops_big_o, "Expected"),
+        "multiply-adds instead of FLOPs": Wrong(_flops_macs, "multiply-add is 2 FLOPs"),
+        "Q K^T only": Wrong(_flops_scores_only, "Q K^T only"),
+        "D for both matmuls": Wrong(_flops_same_dim, "used D for both"),
+        "L for S": Wrong(_flops_square, "used L where S belongs"),
+        "one batch element and head": Wrong(_flops_per_head, "multiply by B·H"),
+        "softmax counted too": Wrong(_flops_with_softmax, "counts the two matmuls only"),
+        "the article's O(N^2 d) as a count": Wrong(_flops_big_o, "Expected"),
     },
 )
 
@@ -352,11 +352,11 @@ SAVED_TENSOR_BYTES = Task(
     judge=_judge_saved,
     reference=_saved_reference,
     wrong={
-        "elements instead of bytes": (_saved_numel, "counted elements, not bytes"),
-        "4 bytes per element whatever the dtype": (_saved_float32, "assumed 4 bytes per element"),
-        "a tensor saved twice counted twice": (_saved_duplicates, "count each storage once"),
-        "views counted by their own size": (_saved_views, "keeps its whole storage alive"),
-        "the output's bytes": (_saved_output, "measured the output"),
-        "the inputs' bytes": (_saved_inputs, "counted the inputs"),
+        "elements instead of bytes": Wrong(_saved_numel, "counted elements, not bytes"),
+        "4 bytes per element whatever the dtype": Wrong(_saved_float32, "assumed 4 bytes per element"),
+        "a tensor saved twice counted twice": Wrong(_saved_duplicates, "count each storage once"),
+        "views counted by their own size": Wrong(_saved_views, "keeps its whole storage alive"),
+        "the output's bytes": Wrong(_saved_output, "measured the output"),
+        "the inputs' bytes": Wrong(_saved_inputs, "counted the inputs"),
     },
 )

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ...attention import scaled_dot_product_attention, stable_softmax
 from ...sparse import pattern_mask, sparse_attention
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
 from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
@@ -130,12 +130,12 @@ SLIDING_WINDOW_MASK = Task(
     judge=_judge_window,
     reference=_window_reference,
     wrong={
-        "window one short (< instead of <=)": (_window_strict, "one short on each side"),
-        "polarity flipped": (_window_flipped, "swapped"),
-        "ignores is_causal": (_window_ignores_causal, "require j <= i"),
-        "looks only backwards when not causal": (_window_past_only, "looks both ways"),
-        "block-local instead of sliding": (_window_blocks, "block-local mask"),
-        "float 0/1 instead of bool": (_window_float, "dtype torch.float32"),
+        "window one short (< instead of <=)": Wrong(_window_strict, "one short on each side"),
+        "polarity flipped": Wrong(_window_flipped, "swapped"),
+        "ignores is_causal": Wrong(_window_ignores_causal, "require j <= i"),
+        "looks only backwards when not causal": Wrong(_window_past_only, "looks both ways"),
+        "block-local instead of sliding": Wrong(_window_blocks, "block-local mask"),
+        "float 0/1 instead of bool": Wrong(_window_float, "dtype torch.float32", kind="contract"),
     },
 )
 
@@ -322,13 +322,13 @@ BLOCK_LOCAL_ATTENTION = Task(
     judge=_judge_block,
     reference=_block_reference,
     wrong={
-        "the article's view (L must be a multiple)": (_block_article, "Pad q, k, v"),
-        "padded keys not masked": (_block_padding_unmasked, "padded with took part as keys"),
-        "no 1/sqrt(D) scale": (_block_unscaled, "not scaled"),
-        "softmax over the queries": (_block_softmax_queries, "softmax over dim=-1"),
-        "interleaved blocks": (_block_interleaved, "i // block_size"),
-        "padding not sliced off": (_block_not_sliced, "slice the output back"),
-        "full attention": (_block_full, "equals full attention"),
-        "scales q in place": (_block_in_place, "in place"),
+        "the article's view (L must be a multiple)": Wrong(_block_article, "Pad q, k, v"),
+        "padded keys not masked": Wrong(_block_padding_unmasked, "padded with took part as keys"),
+        "no 1/sqrt(D) scale": Wrong(_block_unscaled, "not scaled"),
+        "softmax over the queries": Wrong(_block_softmax_queries, "softmax over dim=-1"),
+        "interleaved blocks": Wrong(_block_interleaved, "i // block_size"),
+        "padding not sliced off": Wrong(_block_not_sliced, "slice the output back"),
+        "full attention": Wrong(_block_full, "equals full attention"),
+        "scales q in place": Wrong(_block_in_place, "in place", kind="contract"),
     },
 )

@@ -1,4 +1,11 @@
-"""Graded tasks for lesson 06 (linear attention): the reassociated form with padding, causal via prefix sums."""
+"""Graded tasks for lesson 06 (linear attention): the reassociated form with padding, causal via prefix sums.
+
+Both tasks are about an algorithm, so their graders watch it run (``measure``): on two long
+cases (hundreds of positions) the largest intermediate must stay below ``L * S`` elements
+(linear attention never forms the query-key matrix) and the work must stay within a factor of
+the linear form's (a loop that scores every query against every key is quadratic however small
+its pieces). Calling the course's linear attention gives zero (``forbidden``).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +13,57 @@ import torch
 import torch.nn.functional as F
 
 from ...linear import linear_attention, linear_attention_quadratic
-from ..core import Case, Fail, Task
-from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
+from ..core import Case, Fail, Task, Wrong
+from ..judging import (
+    Checklist,
+    expect_close,
+    expect_dtype,
+    expect_flops_at_most,
+    expect_inputs_unchanged,
+    expect_largest_below,
+    expect_shape,
+)
 from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
 
 __all__ = ["LINEAR_ATTENTION", "CAUSAL_LINEAR_ATTENTION"]
 
 EPS = 1e-6
+# The work allowed, in multiples of the linear form's count (_linear_flops, _causal_flops). Measured on
+# the long cases: the references and accepted forms 0.93-0.99x, wrong-valued linear forms up to 1.32x,
+# every quadratic form (matrix at once, query by query, sums from scratch) 33-50x.
+FLOP_FACTOR = 4
+# What a learner could use instead of writing linear attention: the course's implementations.
+FORBIDDEN = (
+    "attn_course.linear.linear_attention",
+    "attn_course.linear.linear_attention_quadratic",
+    "attn_course.linear.linear_attention_step",
+)
 
 
 def _phi(x):
     return F.elu(x) + 1  # (..., N, D), the feature map of both tasks
+
+
+def _heads(q: torch.Tensor) -> int:
+    """The number of (batch, head) slices: every axis before (L, D)."""
+    return q[..., 0, 0].numel()
+
+
+def _linear_form(q, k, v, mask=None, *, eps=EPS, feature_map=_phi, zero_values_only=False, normalise=True):
+    """Non-causal linear attention by reassociation, optionally with one classic mistake (no library call)."""
+    phi_q, phi_k = feature_map(q), feature_map(k)  # (..., L, M), (..., S, M)
+    if mask is not None:
+        if zero_values_only:
+            v = v * mask.transpose(-2, -1)  # (..., S, Dv): padded values zeroed, their features kept
+        else:
+            phi_k = phi_k * mask.transpose(-2, -1)  # (..., S, M)
+    kv = phi_k.transpose(-2, -1) @ v  # (..., M, Dv)
+    numerator = phi_q @ kv  # (..., L, Dv)
+    if not normalise:
+        return numerator
+    z = phi_k.sum(dim=-2, keepdim=True)  # (..., 1, M)
+    return numerator / (phi_q @ z.transpose(-2, -1) + eps)  # (..., L, Dv)
 
 
 # --- 06.linear_attention -------------------------------------------------------------------
@@ -42,31 +88,38 @@ def _linear_cases() -> list[Case]:
         Case("no mask, float32: q, k, v (1, 2, 8, 8)",
              (randn(1, 2, 8, 8, dtype=torch.float32), randn(1, 2, 8, 8, dtype=torch.float32),
               randn(1, 2, 8, 8, dtype=torch.float32), None)),
+        # Long enough that the (L, S) matrix dwarfs every linear intermediate: with M = Dv = 4 an
+        # honest form holds at most (B, H, S, M, Dv), under 1/5 of L * S.
+        Case("long, no mask: q (1, 2, 256, 4), k (1, 2, 192, 4), v (1, 2, 192, 4), float64",
+             (randn(1, 2, 256, 4), randn(1, 2, 192, 4), randn(1, 2, 192, 4), None)),
+        Case("long, padding mask (1, 1, 1, 288), length 200: q (1, 2, 160, 4), k, v (1, 2, 288, 4), float64",
+             (randn(1, 2, 160, 4), randn(1, 2, 288, 4), randn(1, 2, 288, 4),
+              (torch.arange(288) < 200)[None, None, None, :])),
     ]
 
 
-_NO_MASK, _PADDED, _ALL_PADDING, _LINEAR_FLOAT32 = range(4)
+_NO_MASK, _PADDED, _ALL_PADDING, _LINEAR_FLOAT32, _LONG, _LONG_PADDED = range(6)
 
 
 def _values_masked_only(q, k, v, mask):
     """Padding removed from the numerator (zero values) but still counted in z."""
-    if mask is None:
-        return linear_attention(q, k, v)
-    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M), (..., S, M)
-    v = v * mask.transpose(-2, -1)  # (..., S, Dv), padded values zeroed
-    numerator = phi_q @ (phi_k.transpose(-2, -1) @ v)  # (..., L, Dv)
-    return numerator / (phi_q @ phi_k.sum(-2, keepdim=True).transpose(-2, -1) + EPS)  # (..., L, Dv)
+    return _linear_form(q, k, v, mask, zero_values_only=True)
 
 
 def _numerator_only(q, k, v, mask):
-    phi_q, phi_k = _phi(q), _phi(k)
-    if mask is not None:
-        phi_k = phi_k * mask.transpose(-2, -1)  # (..., S, M)
-    return phi_q @ (phi_k.transpose(-2, -1) @ v)  # (..., L, Dv)
+    return _linear_form(q, k, v, mask, normalise=False)
 
 
 def _eps_outside(q, k, v, mask, *, is_causal=False):
     return linear_attention(q, k, v, mask, is_causal=is_causal, eps=0.0) + EPS
+
+
+def _linear_flops(q, k, v) -> int:
+    """The linear form's work, counted like the probe: phi, phi(K)^T V and z, then phi(Q) applied to them."""
+    L, S, D, Dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    M = D  # elu(x) + 1 keeps the feature size
+    per_head = 2 * (L + S) * D + 2 * S * M * Dv + 2 * S * M + 2 * L * M * Dv + 2 * L * M + 2 * L * Dv
+    return _heads(q) * per_head
 
 
 def _diagnose_linear(got, q, k, v, mask) -> str | None:
@@ -119,6 +172,36 @@ def _judge_linear(cases, outcomes):
                     "eps = 1e-6 to it, num / (den + eps), and those rows become 0."
                 )
             expect_close(got, expected, what=case.name, atol=atol, rtol=atol, hint=_diagnose_linear(got, *case.args) or "")
+    with checklist.check("long sequences (hundreds of queries and keys) match the library"):
+        for index in (_LONG, _LONG_PADDED):
+            case = cases[index]
+            got = returned(outcomes[index], what=case.name)
+            expected = linear_attention(*case.args)
+            expect_shape(got, expected.shape, what=case.name)
+            hint = _diagnose_linear(got, *case.args) or ""
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+    with checklist.check("never forms an (L, S) matrix: every intermediate stays below L * S elements"):
+        for index in (_LONG, _LONG_PADDED):
+            case, outcome = cases[index], outcomes[index]
+            returned(outcome, what=case.name)
+            q, k = case.args[:2]
+            L, S = q.shape[-2], k.shape[-2]
+            expect_largest_below(
+                outcome, L * S, what=case.name,
+                constraint=f"linear attention never forms the (L, S) = ({L}, {S}) matrix of query-key weights. Compute "
+                "phi(K)^T V (M x Dv) and z = sum_j phi(k_j) first, then apply phi(Q) to them: every intermediate is "
+                "then O((L + S) M), far below L * S.",
+            )
+    with checklist.check(f"work grows like L + S, not L * S (within {FLOP_FACTOR}x the reassociated form's)"):
+        for index in (_LONG, _LONG_PADDED):
+            case, outcome = cases[index], outcomes[index]
+            returned(outcome, what=case.name)
+            intended = _linear_flops(*case.args[:3])
+            expect_flops_at_most(
+                outcome, FLOP_FACTOR * intended, what=case.name, intended=intended,
+                hint="Reassociate: phi(Q) (phi(K)^T V) costs O((L + S) M Dv); any route that scores every query "
+                "against every key costs O(L S), whether it builds the matrix at once or loops over queries.",
+            )
     with checklist.check("leaves q, k, v and the mask unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -126,19 +209,59 @@ def _judge_linear(cases, outcomes):
 
 
 def _linear_reference(q, k, v, mask):
-    return linear_attention(q, k, v, mask, feature_map="elu", eps=EPS)
+    return _linear_form(q, k, v, mask)
+
+
+def _linear_outer_products(q, k, v, mask):
+    """Correct: phi(K)^T V as a sum of per-key outer products, (B, H, S, M, Dv) at once."""
+    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M), (..., S, M)
+    if mask is not None:
+        phi_k = phi_k * mask.transpose(-2, -1)  # (..., S, M)
+    kv = (phi_k[..., :, :, None] * v[..., :, None, :]).sum(dim=-3)  # (..., M, Dv)
+    z = phi_k.sum(dim=-2)  # (..., M)
+    return (phi_q @ kv) / ((phi_q * z[..., None, :]).sum(dim=-1, keepdim=True) + EPS)  # (..., L, Dv)
 
 
 def _linear_no_eps(q, k, v, mask):
-    return linear_attention(q, k, v, mask, eps=0.0)
+    return _linear_form(q, k, v, mask, eps=0.0)
 
 
 def _linear_ignores_mask(q, k, v, mask):
-    return linear_attention(q, k, v)
+    return _linear_form(q, k, v)
 
 
 def _linear_relu(q, k, v, mask):
-    return linear_attention(q, k, v, mask, feature_map="relu")
+    return _linear_form(q, k, v, mask, feature_map=F.relu)
+
+
+def _linear_eps_outside(q, k, v, mask):
+    return _linear_form(q, k, v, mask, eps=0.0) + EPS
+
+
+def _linear_quadratic(q, k, v, mask):
+    """Right values the O(L S) way: phi(Q) phi(K)^T, masked, normalised, times V."""
+    weights = _phi(q) @ _phi(k).transpose(-2, -1)  # (..., L, S)
+    if mask is not None:
+        weights = weights * mask  # (..., L, S), padded keys weigh 0
+    return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + EPS)  # (..., L, Dv)
+
+
+def _linear_query_by_query(q, k, v, mask):
+    """Right values, small tensors, quadratic work: each query is scored against every key in turn."""
+    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M), (..., S, M)
+    if mask is not None:
+        phi_k = phi_k * mask.transpose(-2, -1)  # (..., S, M)
+    rows = []
+    for i in range(q.shape[-2]):
+        w = phi_k @ phi_q[..., i, :, None]  # (..., S, 1), weights of query i
+        rows.append((w * v).sum(dim=-2) / (w.sum(dim=-2) + EPS))  # (..., Dv)
+    return torch.stack(rows, dim=-2)  # (..., L, Dv)
+
+
+def _linear_delegates(q, k, v, mask):
+    import attn_course as ac
+
+    return ac.linear_attention(q, k, v, mask)
 
 
 def _linear_softmax(q, k, v, mask):
@@ -156,14 +279,24 @@ LINEAR_ATTENTION = Task(
     judge=_judge_linear,
     reference=_linear_reference,
     wrong={
-        "no eps": (_linear_no_eps, "add eps"),
-        "ignores the padding mask": (_linear_ignores_mask, "ignores the padding mask"),
-        "padding zeroed in the values only": (_values_masked_only, "numerator only"),
-        "not normalised": (_numerator_only, "not normalised"),
-        "relu feature map": (_linear_relu, "elu(x) + 1"),
-        "eps added to the output": (_eps_outside, "belongs in the denominator"),
-        "softmax attention": (_linear_softmax, "is softmax attention"),
+        "no eps": Wrong(_linear_no_eps, "add eps"),
+        "ignores the padding mask": Wrong(_linear_ignores_mask, "ignores the padding mask"),
+        "padding zeroed in the values only": Wrong(_values_masked_only, "numerator only"),
+        "not normalised": Wrong(_numerator_only, "not normalised"),
+        "relu feature map": Wrong(_linear_relu, "elu(x) + 1"),
+        "eps added to the output": Wrong(_linear_eps_outside, "belongs in the denominator"),
+        "softmax attention": Wrong(_linear_softmax, "is softmax attention"),
+        "the quadratic form phi(Q) phi(K)^T": Wrong(_linear_quadratic, "never forms the (L, S)", kind="algorithm"),
+        "one query at a time against every key": Wrong(
+            _linear_query_by_query, "scores every query against every key", kind="algorithm"
+        ),
+        "calls attn_course.linear_attention": Wrong(
+            _linear_delegates, "you called attn_course.linear_attention", kind="algorithm"
+        ),
     },
+    accepted={"phi(K)^T V as a sum of outer products": _linear_outer_products},
+    measure=("largest", "flops"),
+    forbidden=FORBIDDEN,
 )
 
 
@@ -191,10 +324,23 @@ def _causal_cases() -> list[Case]:
         Case("float32: q, k, v (1, 2, 16, 8)",
              (randn(1, 2, 16, 8, dtype=torch.float32), randn(1, 2, 16, 8, dtype=torch.float32),
               randn(1, 2, 16, 8, dtype=torch.float32))),
+        # Long enough that the (L, L) matrix dwarfs the prefix sums: with M = Dv = 4 the cumsum form
+        # holds (B, H, L, M, Dv), 1/8 (then 1/7) of L * L.
+        Case("long: q, k, v (1, 2, 256, 4), float64", (randn(1, 2, 256, 4), randn(1, 2, 256, 4), randn(1, 2, 256, 4))),
+        Case("long, no head axis: q, k, v (2, 224, 4), float64",
+             (randn(2, 224, 4), randn(2, 224, 4), randn(2, 224, 4))),
     ]
 
 
-_CAUSAL, _FUTURE_CHANGED, _ZERO_FEATURES, _SINGLE, _CAUSAL_FLOAT32 = range(5)
+_CAUSAL, _FUTURE_CHANGED, _ZERO_FEATURES, _SINGLE, _CAUSAL_FLOAT32, _CAUSAL_LONG, _CAUSAL_LONG_2 = range(7)
+
+
+def _causal_flops(q, k, v) -> int:
+    """The prefix-sum form's work, counted like the probe: phi, outer products, two cumsums, phi(q_t) applied."""
+    L, D, Dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    M = D  # elu(x) + 1 keeps the feature size
+    per_head = 4 * L * D + 4 * L * M * Dv + 4 * L * M + 2 * L * Dv
+    return _heads(q) * per_head
 
 
 def _prefix_sums(q, k, v, *, exclusive=False, reverse=False, eps=EPS, normalise=True, feature_map=_phi):
@@ -283,6 +429,35 @@ def _judge_causal(cases, outcomes):
         expected = linear_attention(*(x.double() for x in case.args), is_causal=True)
         expect_shape(got, expected.shape, what=case.name)
         expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-4)
+    with checklist.check("long sequences (hundreds of positions) match the quadratic form"):
+        for index in (_CAUSAL_LONG, _CAUSAL_LONG_2):
+            case = cases[index]
+            got = returned(outcomes[index], what=case.name)
+            expected = linear_attention_quadratic(*case.args, is_causal=True)
+            expect_shape(got, expected.shape, what=case.name)
+            hint = _diagnose_causal(got, *case.args) or ""
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+    with checklist.check("never forms an (L, L) matrix: every intermediate stays below L * L elements"):
+        for index in (_CAUSAL_LONG, _CAUSAL_LONG_2):
+            case, outcome = cases[index], outcomes[index]
+            returned(outcome, what=case.name)
+            L = case.args[0].shape[-2]
+            expect_largest_below(
+                outcome, L * L, what=case.name,
+                constraint=f"causal linear attention never forms the (L, L) = ({L}, {L}) matrix, not even masked or "
+                "filled row by row. Keep prefix sums instead, S_t = sum_(j<=t) phi(k_j) v_j^T and z_t = sum_(j<=t) "
+                "phi(k_j) (cumsum over the positions, or a running state): O(L M Dv) numbers, far below L * L.",
+            )
+    with checklist.check(f"work grows like L, not L * L (within {FLOP_FACTOR}x the prefix-sum form's)"):
+        for index in (_CAUSAL_LONG, _CAUSAL_LONG_2):
+            case, outcome = cases[index], outcomes[index]
+            returned(outcome, what=case.name)
+            intended = _causal_flops(*case.args)
+            expect_flops_at_most(
+                outcome, FLOP_FACTOR * intended, what=case.name, intended=intended,
+                hint="Build each prefix sum from the previous one (cumsum, or S_t = S_(t-1) + phi(k_t) v_t^T): summing "
+                "from scratch at every position, or weighting every earlier key for every query, costs O(L^2).",
+            )
     with checklist.check("leaves q, k and v unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -290,11 +465,61 @@ def _judge_causal(cases, outcomes):
 
 
 def _causal_reference(q, k, v):
-    return linear_attention(q, k, v, feature_map="elu", is_causal=True, eps=EPS)
+    return _prefix_sums(q, k, v)
+
+
+def _causal_recurrent(q, k, v):
+    """Correct: the RNN form, a running state (S, z) updated one position at a time."""
+    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M)
+    state = torch.zeros(*q.shape[:-2], q.shape[-1], v.shape[-1], dtype=q.dtype)  # (..., M, Dv)
+    z = torch.zeros(*q.shape[:-2], q.shape[-1], dtype=q.dtype)  # (..., M)
+    rows = []
+    for t in range(q.shape[-2]):
+        state = state + phi_k[..., t, :, None] * v[..., t, None, :]  # (..., M, Dv)
+        z = z + phi_k[..., t, :]  # (..., M)
+        numerator = (phi_q[..., t, :, None] * state).sum(dim=-2)  # (..., Dv)
+        rows.append(numerator / ((phi_q[..., t, :] * z).sum(dim=-1, keepdim=True) + EPS))  # (..., Dv)
+    return torch.stack(rows, dim=-2)  # (..., L, Dv)
 
 
 def _causal_non_causal(q, k, v):
-    return linear_attention(q, k, v)
+    return _linear_form(q, k, v)
+
+
+def _causal_masked_quadratic(q, k, v):
+    """Right values the O(L^2) way: phi(Q) phi(K)^T under a causal mask, normalised, times V."""
+    L = q.shape[-2]
+    weights = _phi(q) @ _phi(k).transpose(-2, -1)  # (..., L, L)
+    weights = weights * torch.ones(L, L, dtype=torch.bool).tril()  # (..., L, L), keys j <= t only
+    return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + EPS)  # (..., L, Dv)
+
+
+def _causal_rows_into_a_matrix(q, k, v):
+    """Right values; a loop, but one that fills an (L, L) weight matrix row by row."""
+    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M)
+    L = q.shape[-2]
+    weights = torch.zeros(*q.shape[:-2], L, L, dtype=q.dtype)  # (..., L, L)
+    for t in range(L):
+        weights[..., t, : t + 1] = (phi_k[..., : t + 1, :] @ phi_q[..., t, :, None])[..., 0]  # (..., t + 1)
+    return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + EPS)  # (..., L, Dv)
+
+
+def _causal_sums_from_scratch(q, k, v):
+    """Right values, small tensors, quadratic work: S_t and z_t summed again from j = 0 at every t."""
+    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M)
+    rows = []
+    for t in range(q.shape[-2]):
+        state = phi_k[..., : t + 1, :].transpose(-2, -1) @ v[..., : t + 1, :]  # (..., M, Dv)
+        z = phi_k[..., : t + 1, :].sum(dim=-2)  # (..., M)
+        numerator = (phi_q[..., t, :, None] * state).sum(dim=-2)  # (..., Dv)
+        rows.append(numerator / ((phi_q[..., t, :] * z).sum(dim=-1, keepdim=True) + EPS))  # (..., Dv)
+    return torch.stack(rows, dim=-2)  # (..., L, Dv)
+
+
+def _causal_delegates(q, k, v):
+    import attn_course as ac
+
+    return ac.linear_attention(q, k, v, is_causal=True)
 
 
 def _causal_exclusive(q, k, v):
@@ -332,12 +557,27 @@ CAUSAL_LINEAR_ATTENTION = Task(
     judge=_judge_causal,
     reference=_causal_reference,
     wrong={
-        "sums over the whole sequence (not causal)": (_causal_non_causal, "leaks from the future"),
-        "exclusive prefix sums (j < t)": (_causal_exclusive, "include its own key"),
-        "suffix sums (j >= t)": (_causal_reversed, "summed from the end"),
-        "no eps": (_causal_no_eps, "add eps"),
-        "not normalised": (_causal_unnormalised, "not normalised"),
-        "relu feature map": (_causal_relu, "elu(x) + 1"),
-        "features computed in place": (_causal_loop_in_place, "in place"),
+        "sums over the whole sequence (not causal)": Wrong(_causal_non_causal, "leaks from the future"),
+        "exclusive prefix sums (j < t)": Wrong(_causal_exclusive, "include its own key"),
+        "suffix sums (j >= t)": Wrong(_causal_reversed, "summed from the end"),
+        "no eps": Wrong(_causal_no_eps, "add eps"),
+        "not normalised": Wrong(_causal_unnormalised, "not normalised"),
+        "relu feature map": Wrong(_causal_relu, "elu(x) + 1"),
+        "features computed in place": Wrong(_causal_loop_in_place, "in place", kind="contract"),
+        "causal mask on the quadratic form": Wrong(
+            _causal_masked_quadratic, "never forms the (L, L)", kind="algorithm"
+        ),
+        "loop that fills an (L, L) matrix row by row": Wrong(
+            _causal_rows_into_a_matrix, "never forms the (L, L)", kind="algorithm"
+        ),
+        "prefix sums recomputed from scratch at every position": Wrong(
+            _causal_sums_from_scratch, "summing from scratch", kind="algorithm"
+        ),
+        "calls attn_course.linear_attention(is_causal=True)": Wrong(
+            _causal_delegates, "you called attn_course.linear_attention", kind="algorithm"
+        ),
     },
+    accepted={"recurrent form: a running state updated one position at a time": _causal_recurrent},
+    measure=("largest", "flops"),
+    forbidden=FORBIDDEN,
 )

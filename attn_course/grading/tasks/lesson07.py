@@ -8,7 +8,7 @@ import torch
 
 from ...attention import scaled_dot_product_attention
 from ...chunked import PartialAttention, chunked_attention, finish_partial, merge_partials, partial_attention
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_finite, expect_inputs_unchanged, expect_shape
 from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
@@ -212,14 +212,14 @@ MERGE_PARTIALS = Task(
     judge=_judge_merge,
     reference=_merge_reference,
     wrong={
-        "adds without rescaling": (_merge_naive_sum, "rescale to the common max"),
-        "inverted rescaling factor": (_merge_inverted, "upside down"),
-        "keeps the first chunk's max": (_merge_keeps_first_max, "max(m1, m2)"),
-        "NaN when both maxima are -inf": (_merge_nan_on_empty, "exp(nan)"),
-        "row_sum not rescaled": (_merge_sum_not_rescaled, "same factors as acc"),
-        "returns the normalised output": (_merge_normalised, "Keep acc unnormalised"),
-        "averages the chunks": (_merge_averaged, "do not divide by 2"),
-        "writes into the first partial": (_merge_in_place, "in place"),
+        "adds without rescaling": Wrong(_merge_naive_sum, "rescale to the common max"),
+        "inverted rescaling factor": Wrong(_merge_inverted, "upside down"),
+        "keeps the first chunk's max": Wrong(_merge_keeps_first_max, "max(m1, m2)"),
+        "NaN when both maxima are -inf": Wrong(_merge_nan_on_empty, "exp(nan)"),
+        "row_sum not rescaled": Wrong(_merge_sum_not_rescaled, "same factors as acc"),
+        "returns the normalised output": Wrong(_merge_normalised, "Keep acc unnormalised"),
+        "averages the chunks": Wrong(_merge_averaged, "do not divide by 2"),
+        "writes into the first partial": Wrong(_merge_in_place, "in place", kind="contract"),
     },
 )
 
@@ -376,11 +376,11 @@ ONLINE_SOFTMAX_ATTENTION = Task(
     judge=_judge_online,
     reference=_online_reference,
     wrong={
-        "old sum and acc not rescaled": (_online_no_rescale, "multiply them by exp(m - m')"),
-        "averages per-chunk softmaxes": (_online_averaged, "weighs every chunk equally"),
-        "no max subtracted": (_online_raw_exp, "subtract the running max"),
-        "last chunk skipped": (_online_skip_last, "skips the last, shorter chunk"),
-        "no 1/sqrt(D) scale": (_online_unscaled, "not scaled"),
-        "running max never updated": (_online_first_max_only, "keep updating it"),
+        "old sum and acc not rescaled": Wrong(_online_no_rescale, "multiply them by exp(m - m')"),
+        "averages per-chunk softmaxes": Wrong(_online_averaged, "weighs every chunk equally"),
+        "no max subtracted": Wrong(_online_raw_exp, "subtract the running max"),
+        "last chunk skipped": Wrong(_online_skip_last, "skips the last, shorter chunk"),
+        "no 1/sqrt(D) scale": Wrong(_online_unscaled, "not scaled"),
+        "running max never updated": Wrong(_online_first_max_only, "keep updating it"),
     },
 )

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ...attention import scaled_dot_product_attention, stable_softmax
 from ...diagnostics import attention_entropy, find_nonfinite
 from ...masks import causal_mask
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import NOT_IMPLEMENTED, Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
@@ -167,14 +167,14 @@ ATTENTION_ENTROPY = Task(
     judge=_judge_entropy,
     reference=_entropy_reference,
     wrong={
-        "log base 2 (bits)": (_entropy_bits, "bits"),
-        "0 * log 0 gives NaN": (_entropy_nan_on_zeros, "0 * log(0)"),
-        "missing minus sign": (_entropy_no_minus, "negative"),
-        "mean over the keys instead of sum": (_entropy_mean_over_keys, "averaged over the keys"),
-        "sums over the queries (dim=-2)": (_entropy_over_queries, "summed over the queries"),
-        "one number for everything (the article's check)": (_entropy_article_scalar, "one entropy per row"),
-        "clamps the weights in place": (_entropy_clamps_in_place, "in place"),
-        "normalised by log(S)": (_entropy_normalized, "normalised entropy"),
+        "log base 2 (bits)": Wrong(_entropy_bits, "bits"),
+        "0 * log 0 gives NaN": Wrong(_entropy_nan_on_zeros, "0 * log(0)"),
+        "missing minus sign": Wrong(_entropy_no_minus, "negative"),
+        "mean over the keys instead of sum": Wrong(_entropy_mean_over_keys, "averaged over the keys"),
+        "sums over the queries (dim=-2)": Wrong(_entropy_over_queries, "summed over the queries"),
+        "one number for everything (the article's check)": Wrong(_entropy_article_scalar, "one entropy per row"),
+        "clamps the weights in place": Wrong(_entropy_clamps_in_place, "in place", kind="contract"),
+        "normalised by log(S)": Wrong(_entropy_normalized, "normalised entropy"),
     },
 )
 
@@ -323,13 +323,13 @@ QK_NORM_ATTENTION = Task(
     judge=_judge_qk,
     reference=_qk_reference,
     wrong={
-        "scales by 1/sqrt(D) as well": (_qk_extra_sqrt_d, "1/sqrt(D) as well"),
-        "divides by the scale": (_qk_divides, "divided by the scale"),
-        "normalises over the sequence axis": (_qk_wrong_axis, "sequence axis"),
-        "normalises q only": (_qk_only_q, "but not k"),
-        "NaN for a zero vector": (_qk_nan_for_zero, "0 / 0 = NaN"),
-        "no normalisation": (_qk_not_normalised, "not normalised at all"),
-        "normalises q and k in place": (_qk_normalises_in_place, "in place"),
+        "scales by 1/sqrt(D) as well": Wrong(_qk_extra_sqrt_d, "1/sqrt(D) as well"),
+        "divides by the scale": Wrong(_qk_divides, "divided by the scale"),
+        "normalises over the sequence axis": Wrong(_qk_wrong_axis, "sequence axis"),
+        "normalises q only": Wrong(_qk_only_q, "but not k"),
+        "NaN for a zero vector": Wrong(_qk_nan_for_zero, "0 / 0 = NaN"),
+        "no normalisation": Wrong(_qk_not_normalised, "not normalised at all"),
+        "normalises q and k in place": Wrong(_qk_normalises_in_place, "in place", kind="contract"),
     },
 )
 
@@ -603,11 +603,11 @@ FIRST_NONFINITE_MODULE = Task(
     judge=_judge_nonfinite,
     reference=_first_nonfinite_reference,
     wrong={
-        "returns the last module to report (a container)": (_nonfinite_last_reported, "container"),
-        "tests isnan only": (_nonfinite_isnan_only, "torch.isfinite"),
-        "reports the first bad input": (_nonfinite_first_bad_input, "INPUT was already bad"),
-        "definition order instead of execution order": (_nonfinite_definition_order, "definition order"),
-        "checks the parameters, not the outputs": (_nonfinite_checks_parameters, "found nothing"),
+        "returns the last module to report (a container)": Wrong(_nonfinite_last_reported, "container"),
+        "tests isnan only": Wrong(_nonfinite_isnan_only, "torch.isfinite"),
+        "reports the first bad input": Wrong(_nonfinite_first_bad_input, "INPUT was already bad"),
+        "definition order instead of execution order": Wrong(_nonfinite_definition_order, "definition order"),
+        "checks the parameters, not the outputs": Wrong(_nonfinite_checks_parameters, "found nothing"),
     },
 )
 

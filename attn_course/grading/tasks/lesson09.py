@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ...attention import scaled_dot_product_attention
 from ...multihead import merge_heads, split_heads
 from ...vit import patchify
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned
 
@@ -151,11 +151,11 @@ PATCHIFY = Task(
     judge=_judge_patchify,
     reference=_patchify_reference,
     wrong={
-        "reshape straight to (B, N, C*p*p)": (_patches_straight, "straight to (B, N, C*p*p)"),
-        "unfold without moving the channels": (_patches_unfold_no_permute, "channel axis is still in front"),
-        "features ordered (row, column, channel)": (_patches_channels_last, "(channel, row, column)"),
-        "patches numbered column by column": (_patches_column_major, "row by row"),
-        "pixels transposed inside each patch": (_patches_transposed_pixels, "transposed"),
+        "reshape straight to (B, N, C*p*p)": Wrong(_patches_straight, "straight to (B, N, C*p*p)"),
+        "unfold without moving the channels": Wrong(_patches_unfold_no_permute, "channel axis is still in front"),
+        "features ordered (row, column, channel)": Wrong(_patches_channels_last, "(channel, row, column)"),
+        "patches numbered column by column": Wrong(_patches_column_major, "row by row"),
+        "pixels transposed inside each patch": Wrong(_patches_transposed_pixels, "transposed"),
     },
 )
 
@@ -258,11 +258,11 @@ CLASS_TOKEN_AND_POSITIONS = Task(
     judge=_judge_embed,
     reference=_embed_reference,
     wrong={
-        "class token appended last": (_embed_cls_last, "goes first"),
-        "class token without a position": (_embed_cls_unpositioned, "row 0 is the class token's"),
-        "no positions": (_embed_no_positions, "did not add the positions"),
-        "class token added to every patch": (_embed_add_cls, "must be prepended"),
-        "adds positions to the caller's patches in place": (_embed_in_place, "in place"),
+        "class token appended last": Wrong(_embed_cls_last, "goes first"),
+        "class token without a position": Wrong(_embed_cls_unpositioned, "row 0 is the class token's"),
+        "no positions": Wrong(_embed_no_positions, "did not add the positions"),
+        "class token added to every patch": Wrong(_embed_add_cls, "must be prepended"),
+        "adds positions to the caller's patches in place": Wrong(_embed_in_place, "in place", kind="contract"),
     },
 )
 
@@ -392,10 +392,10 @@ VIT_ATTENTION = Task(
     judge=_judge_vit,
     reference=_vit_reference,
     wrong={
-        "the article's attention (heads not moved in front)": (_vit_article, "the article's bug"),
-        "qkv cut as (B, N, H, 3, D)": (_vit_heads_then_qkv, "(B, N, H, 3, D)"),
-        "heads merged without the transpose": (_vit_merge_straight, "merged the heads by reshaping"),
-        "scale 1/sqrt(E)": (_vit_scale_by_dim, "1/sqrt(head_dim)"),
-        "softmax over the queries": (_vit_softmax_queries, "softmax over dim=-1"),
+        "the article's attention (heads not moved in front)": Wrong(_vit_article, "the article's bug"),
+        "qkv cut as (B, N, H, 3, D)": Wrong(_vit_heads_then_qkv, "(B, N, H, 3, D)"),
+        "heads merged without the transpose": Wrong(_vit_merge_straight, "merged the heads by reshaping"),
+        "scale 1/sqrt(E)": Wrong(_vit_scale_by_dim, "1/sqrt(head_dim)"),
+        "softmax over the queries": Wrong(_vit_softmax_queries, "softmax over dim=-1"),
     },
 )

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ...conformer import ConvolutionModule
 from ...masks import padding_mask
 from ...positional import rel_shift
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned
 
@@ -131,11 +131,11 @@ REL_SHIFT = Task(
     judge=_judge_rel_shift,
     reference=_rel_shift_reference,
     wrong={
-        "no shift (first L columns)": (_shift_first_columns, "without shifting"),
-        "offset j - i (sign flipped)": (_shift_sign_flipped, "sign is flipped"),
-        "row i shifted by i": (_shift_by_row, "shift it by L - 1 - i"),
-        "last L columns for every row": (_shift_last_columns, "depend on the row"),
-        "zero column padded at the end": (_shift_pad_right, "goes in front"),
+        "no shift (first L columns)": Wrong(_shift_first_columns, "without shifting"),
+        "offset j - i (sign flipped)": Wrong(_shift_sign_flipped, "sign is flipped"),
+        "row i shifted by i": Wrong(_shift_by_row, "shift it by L - 1 - i"),
+        "last L columns for every row": Wrong(_shift_last_columns, "depend on the row"),
+        "zero column padded at the end": Wrong(_shift_pad_right, "goes in front"),
     },
 )
 
@@ -281,10 +281,10 @@ CONV_MODULE = Task(
     judge=_judge_conv,
     reference=_conv_reference,
     wrong={
-        "padding not zeroed before the depthwise conv": (_conv_no_zeroing, "leaks into real frames"),
-        "GLU gates the wrong half": (_conv_glu_swapped, "wrong half"),
-        "ReLU instead of Swish": (_conv_relu, "Swish"),
-        "no LayerNorm": (_conv_no_layernorm, "LayerNorm"),
-        "Swish before BatchNorm": (_conv_swish_before_bn, "depthwise conv -> BatchNorm -> Swish"),
+        "padding not zeroed before the depthwise conv": Wrong(_conv_no_zeroing, "leaks into real frames"),
+        "GLU gates the wrong half": Wrong(_conv_glu_swapped, "wrong half"),
+        "ReLU instead of Swish": Wrong(_conv_relu, "Swish"),
+        "no LayerNorm": Wrong(_conv_no_layernorm, "LayerNorm"),
+        "Swish before BatchNorm": Wrong(_conv_swish_before_bn, "depthwise conv -> BatchNorm -> Swish"),
     },
 )

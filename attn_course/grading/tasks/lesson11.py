@@ -8,7 +8,7 @@ from ...attention import scaled_dot_product_attention
 from ...grouped import repeat_kv
 from ...masks import causal_mask
 from ...positional import apply_rotary
-from ..core import Case, Fail, Task
+from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned
 
@@ -132,11 +132,11 @@ REPEAT_KV = Task(
     judge=_judge_repeat,
     reference=_repeat_reference,
     wrong={
-        "tiles with torch.repeat (0, 1, 0, 1)": (_repeat_tiled, "repeat_interleave(groups, dim=1)"),
-        "repeats along the sequence axis": (_repeat_sequence_axis, "sequence axis"),
-        "expands without merging the new axis": (_repeat_no_merge, "did not merge"),
-        "repeat_interleave without dim": (_repeat_flattened, "without dim="),
-        "head h reads (h + 1) // groups": (_repeat_off_by_one, "should be a copy of K/V head"),
+        "tiles with torch.repeat (0, 1, 0, 1)": Wrong(_repeat_tiled, "repeat_interleave(groups, dim=1)"),
+        "repeats along the sequence axis": Wrong(_repeat_sequence_axis, "sequence axis"),
+        "expands without merging the new axis": Wrong(_repeat_no_merge, "did not merge"),
+        "repeat_interleave without dim": Wrong(_repeat_flattened, "without dim="),
+        "head h reads (h + 1) // groups": Wrong(_repeat_off_by_one, "should be a copy of K/V head"),
     },
 )
 
@@ -252,11 +252,11 @@ DECODE_ATTENTION = Task(
     judge=_judge_decode,
     reference=_decode_reference,
     wrong={
-        "top-left causal mask (is_causal=True)": (_decode_top_left, "bottom-right"),
-        "no mask": (_decode_no_mask, "no mask"),
-        "attends to the new keys only": (_decode_new_keys_only, "new keys only"),
-        "diagonal excluded": (_decode_strict, "own position"),
-        "first T rows of the causal mask": (_decode_first_rows, "top-left"),
+        "top-left causal mask (is_causal=True)": Wrong(_decode_top_left, "bottom-right"),
+        "no mask": Wrong(_decode_no_mask, "no mask"),
+        "attends to the new keys only": Wrong(_decode_new_keys_only, "new keys only"),
+        "diagonal excluded": Wrong(_decode_strict, "own position"),
+        "first T rows of the causal mask": Wrong(_decode_first_rows, "top-left"),
     },
 )
 
@@ -411,11 +411,11 @@ ROTARY = Task(
     judge=_judge_rotary,
     reference=_rotary_reference,
     wrong={
-        "pairs i with i + D/2 (rotate half)": (_rotary_rotate_half, "rotate half"),
-        "frequencies base^(-i/D)": (_rotary_slow_frequencies, "base^(-2i/D)"),
-        "rotates by -angle": (_rotary_clockwise, "other way"),
-        "sin and cos swapped": (_rotary_sin_cos_swapped, "swapped"),
-        "ignores the positions argument": (_rotary_ignores_positions, "ignored the positions"),
-        "rotates x in place": (_rotary_in_place, "in place"),
+        "pairs i with i + D/2 (rotate half)": Wrong(_rotary_rotate_half, "rotate half"),
+        "frequencies base^(-i/D)": Wrong(_rotary_slow_frequencies, "base^(-2i/D)"),
+        "rotates by -angle": Wrong(_rotary_clockwise, "other way"),
+        "sin and cos swapped": Wrong(_rotary_sin_cos_swapped, "swapped"),
+        "ignores the positions argument": Wrong(_rotary_ignores_positions, "ignored the positions"),
+        "rotates x in place": Wrong(_rotary_in_place, "in place", kind="contract"),
     },
 )
