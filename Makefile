@@ -27,10 +27,11 @@ OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 setup: $(STAMP)
 
 # torch is named in the same pip command as the package so pip takes the pinned build
-# instead of resolving `torch>=2.2` to a multi-GB CUDA wheel.
+# instead of resolving `torch>=2.2` to a multi-GB CUDA wheel. The extras: `lab` is JupyterLab
+# (not a runtime dependency: Colab brings its own Jupyter), `dev` the test tools.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -qq "$(TORCH)" -e '.[dev]'
+	$(BIN)/pip install -qq "$(TORCH)" -e '.[dev,lab]'
 	touch $(STAMP)
 
 lab: $(STAMP)

@@ -10,6 +10,7 @@ from .chunked import (
     PartialAttention,
     chunked_attention,
     finish_partial,
+    log_sum_exp,
     merge_partials,
     partial_attention,
     query_chunked_attention,
@@ -29,6 +30,7 @@ from .diagnostics import (
     find_nonfinite,
     format_gradient_norms,
     gradient_norms,
+    token_influence,
     track_gradient_norms,
 )
 from .distributed import (
@@ -46,8 +48,8 @@ from .distributed import (
     ulysses_attention,
 )
 from .dynamic import DynamicHeadAttention
-from .grouped import GroupedQueryAttention, compare_kv_cache_memory, grouped_attention, kv_cache_bytes, repeat_kv
-from .kv_cache import KVCache, decode_step, measure_decoding_speed
+from .grouped import GroupedQueryAttention, grouped_attention, repeat_kv
+from .kv_cache import KVCache, compare_kv_cache_memory, decode_step, kv_cache_bytes, measure_decoding_speed
 from .linear import (
     LinearAttentionState,
     RandomFeatureMap,
@@ -65,6 +67,7 @@ from .masks import (
     mask_to_bias,
     padding_mask,
     to_blocked_mask,
+    with_causal,
 )
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 from .positional import (
@@ -118,6 +121,7 @@ __all__ = [
     "linear_attention",
     "linear_attention_quadratic",
     "linear_attention_step",
+    "log_sum_exp",
     "LinearAttentionState",
     "log_communication",
     "mask_to_bias",
@@ -157,8 +161,10 @@ __all__ = [
     "split_heads",
     "stable_softmax",
     "to_blocked_mask",
+    "token_influence",
     "track_gradient_norms",
     "ulysses_attention",
     "VisionTransformer",
     "ViTConfig",
+    "with_causal",
 ]

@@ -14,10 +14,12 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "check_int",
     "check_positive_int",
     "check_tensor",
     "check_qkv",
     "check_mask",
+    "check_key_mask",
     "shape_str",
     "weights_keyword",
     "WEIGHTS_ALIASES",
@@ -58,13 +60,22 @@ def shape_str(shape: torch.Size | tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(n)) for n in shape) + ")"
 
 
-def check_positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int >= 1 (a length, a size, a count); TypeError/ValueError otherwise."""
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum``; TypeError (not an int) or ValueError (too small) otherwise.
+
+    The one integer validator of the package: a ``bool`` is refused although Python counts it
+    as an int (``num_heads=True`` is a mistake, not a 1).
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1 (a length, a size, a count); TypeError/ValueError otherwise."""
+    return check_int(name, value, minimum=1)
 
 
 def check_tensor(name: str, x: object, *, min_dim: int = 1, floating: bool = True) -> torch.Tensor:
@@ -129,7 +140,13 @@ def check_qkv(q: object, k: object, v: object) -> tuple[int, int, torch.Size]:
 
 
 def check_mask(mask: object, target_shape: torch.Size | tuple[int, ...], *, device: torch.device) -> torch.Tensor:
-    """Validate a bool (True = may attend) or float (additive) mask against ``(..., L, S)``."""
+    """Validate a bool (True = may attend) or float (additive) mask against ``(..., L, S)``.
+
+    Any shape that broadcasts to ``target_shape`` is accepted, as the docstrings promise: a
+    scalar, a 1-D ``(S,)`` key mask, ``(L, 1)``, ``(B, 1, 1, S)``, ... The mask is returned with
+    at least two dims (a view: ``(S,)`` becomes ``(1, S)``, a scalar ``(1, 1)``), so that code
+    reading its query axis ``mask.shape[-2]`` or slicing ``mask[..., 0, :]`` works for every one.
+    """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
@@ -158,4 +175,27 @@ def check_mask(mask: object, target_shape: torch.Size | tuple[int, ...], *, devi
             f"mask of shape {shape_str(mask.shape)} does not broadcast to the scores' shape "
             f"(..., L, S) = {shape_str(target)}.{hint}"
         )
+    if mask.dim() < 2:
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))  # (1, S) or (1, 1), a view
     return mask
+
+
+def check_key_mask(
+    mask: object, batch_shape: torch.Size, *, L: int, S: int, device: torch.device, who: str, why: str
+) -> torch.Tensor:
+    """Validate the key-padding mask of an attention that never forms the ``(L, S)`` matrix.
+
+    Sparse and linear attention take a bool mask (True = real token) broadcastable to
+    ``(..., 1, S)``: a scalar, ``(S,)``, ``(1, S)``, ``(B, 1, 1, S)``, ``(B, H, 1, S)``, ``(B, 1, 1, 1)``.
+    A mask with a real query axis ``(..., L, S)`` is refused, saying ``why``. Returns the mask
+    as ``(..., 1, S)`` (a view: broadcast axes are expanded, nothing is copied).
+    """
+    if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-2] == L != 1:
+        raise ValueError(
+            f"{who} takes a key-padding mask of shape (..., 1, S), got {shape_str(mask.shape)}: {why}. "
+            "For padding use padding_mask(lengths)[:, None, None, :] -> (B, 1, 1, S)."
+        )
+    mask = check_mask(mask, (*batch_shape, 1, S), device=device)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{who} takes a boolean key mask (True = real token), got dtype {mask.dtype}")
+    return mask.expand(*mask.shape[:-1], S)  # (..., 1, S)

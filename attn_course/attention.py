@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_mask, check_qkv, weights_keyword
-from .masks import causal_mask, fully_masked_rows
+from .masks import fully_masked_rows, with_causal
 
 __all__ = ["scaled_dot_product_attention", "stable_softmax"]
 
@@ -50,20 +50,6 @@ def stable_softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     total = exps.sum(dim=dim, keepdim=True)
     # total is >= 1 in any row with an allowed key; 0 only in empty rows, where exps is 0 too.
     return exps / total.clamp_min(torch.finfo(total.dtype).tiny)
-
-
-def _allowed_positions(
-    mask: torch.Tensor | None, *, is_causal: bool, L: int, S: int, device: torch.device
-) -> torch.Tensor | None:
-    """Merge a boolean mask with the causal mask (logical AND); float masks pass through."""
-    if not is_causal:
-        return mask
-    causal = causal_mask(L, S, device=device)  # (L, S)
-    if mask is None:
-        return causal
-    if mask.dtype == torch.bool:
-        return mask & causal  # (..., L, S)
-    return mask.masked_fill(~causal, float("-inf"))  # additive mask, future set to -inf
 
 
 @weights_keyword
@@ -115,7 +101,7 @@ def scaled_dot_product_attention(
     if fused and need_weights:
         raise ValueError("the fused kernel never forms the weights: use fused=False (or None) with need_weights=True")
 
-    allowed = _allowed_positions(mask, is_causal=is_causal, L=L, S=S, device=q.device)
+    allowed = with_causal(mask, L, S, device=q.device) if is_causal else mask  # (..., L, S) or None
     if fused:
         return _fused_attention(q, k, v, allowed, scale=scale, dropout_p=dropout_p)
     out, weights = _explicit_attention(q, k, v, allowed, scale=scale, dropout_p=dropout_p)

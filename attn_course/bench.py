@@ -7,7 +7,8 @@
   JSON and a plot, with the course's performance targets checked as ratios measured in the
   same run (:func:`bench_attention`, :func:`attention_targets`).
 
-Every figure is measured in the run that prints it; nothing is typed in.
+Every figure is measured in the run that prints it; nothing is typed in. The measuring tools
+themselves (time, largest tensor, saved tensors, peak memory) are in :mod:`attn_course.measure`.
 
 * **Time**: forward pass under ``torch.no_grad()``, median of several rounds; within a
   round the variants take turns (in a rotating order), so a burst of load from other
@@ -42,20 +43,17 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
-try:
-    import resource  # Unix only
-except ImportError:  # pragma: no cover - Windows
-    resource = None
-
+from ._checks import check_positive_int
 from .attention import scaled_dot_product_attention
 from .chunked import chunked_attention
 from .linear import linear_attention
-from ._checks import check_positive_int
+from .measure import largest_tensor_bytes, peak_memory_bytes, saved_tensor_bytes, synchronize, time_call
 from .multihead import MultiHeadAttention
 from .sparse import sparse_attention
 
+# synchronize, time_call, largest_tensor_bytes and saved_tensor_bytes live in attn_course.measure;
+# they stay importable from here, where lessons first met them.
 __all__ = [
     "synchronize",
     "time_call",
@@ -74,28 +72,6 @@ __all__ = [
     "plot_attention_bench",
     "report_attention",
 ]
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so a timer measures the work and not its launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def time_call(fn: Callable[[], object], *, device: torch.device, warmup: int = 3, repeats: int = 20) -> float:
-    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def matmul_gflops(*, device: torch.device | str = "cpu", n: int = 2048, dtype: torch.dtype = torch.float32) -> float:
@@ -245,97 +221,11 @@ def attention_flops(name: str, length: int, config: AttentionBenchConfig) -> flo
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
 
 
-class _LargestStorage(TorchFunctionMode):
-    """Records the largest storage of any tensor returned by a torch function."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for item in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(item, torch.Tensor) and item.layout == torch.strided:
-                self.largest = max(self.largest, item.untyped_storage().nbytes())
-        return result
-
-
-def largest_tensor_bytes(fn: Callable[..., object], *args: object, **kwargs: object) -> int:
-    """Bytes of the largest tensor storage that any torch call inside ``fn(*args, **kwargs)`` returned.
-
-    A cheap, deterministic stand-in for peak memory: it shows, for example, that dense
-    attention creates an ``(L, S)`` score matrix and chunked attention never does. Views
-    count as the storage they look at (an ``expand`` costs nothing). Buffers that a fused
-    kernel allocates internally are invisible to it -- use :func:`measure_peak_memory` for those.
-    """
-    mode = _LargestStorage()
-    with mode:
-        fn(*args, **kwargs)
-    return mode.largest
-
-
-def saved_tensor_bytes(fn: Callable[..., object], *args: object, **kwargs: object) -> int:
-    """Bytes that autograd keeps for the backward pass of ``fn(*args, **kwargs)``.
-
-    Every tensor an operation saves for its backward pass goes through the pack hook of
-    ``torch.autograd.graph.saved_tensors_hooks``. Saved tensors often share memory (``k.mT``
-    is a view of ``k``; ``x * x`` saves ``x`` twice), so each *storage* is counted once, at
-    its full size. Saved inputs count too: the backward pass keeps them alive. Deterministic,
-    unlike a peak-memory reading, so lessons print it as checked output. Returns 0 when
-    nothing needs a gradient (or under ``torch.no_grad()``).
-
-    Taught in lesson 04 (forward vs backward memory); lesson 07 uses it for the recomputing
-    backward.
-    """
-    storages: dict[int, int] = {}
-    kept: list[torch.Tensor] = []  # hold every saved tensor, so no storage is freed and its address reused
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.layout == torch.strided:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            kept.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fn(*args, **kwargs)
-    return sum(storages.values())
-
-
 def _inputs(config: AttentionBenchConfig, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Seeded q, k, v ``(B, H, N, D)``, made on CPU so every device sees the same numbers."""
     generator = torch.Generator().manual_seed(config.seed + length)
     shape = (config.batch, config.heads, length, config.head_dim)
     return tuple(torch.randn(shape, generator=generator).to(device=device, dtype=config.torch_dtype) for _ in range(3))
-
-
-def _status_bytes(field: str) -> int | None:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes, or None off Linux."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS counter (VmHWM) to its current RSS; False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return _status_bytes("VmHWM") is not None
-    except OSError:
-        return False
-
-
-def _max_rss_bytes() -> int:
-    if resource is None:
-        return 0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def _measure_in_this_process(request: dict) -> dict:
@@ -351,14 +241,8 @@ def _measure_in_this_process(request: dict) -> dict:
                 # Warm the code path on a tiny input, so one-time set-up (thread pools, lazily
                 # loaded kernels) is not counted as the attention's memory.
                 fn(*(x[..., : min(length, 64), :].clone() for x in (q, k, v)))
-            reset = _reset_peak_rss()
-            before = _status_bytes("VmRSS") if reset else _max_rss_bytes()
-            if fn is not None:
-                out = fn(q, k, v)
-                del out
-            after = _status_bytes("VmHWM") if reset else _max_rss_bytes()
-        method = "child process peak RSS (" + ("VmHWM" if reset else "ru_maxrss") + ")"
-        return {"bytes": max(0, after - before), "method": method, "error": None}
+            measured = peak_memory_bytes((lambda: fn(q, k, v)) if fn is not None else (lambda: None))
+        return {**measured, "method": "child process " + measured["method"]}
     except Exception as exc:  # reported to the parent, which prints it
         return {"bytes": None, "method": "child process", "error": f"{type(exc).__name__}: {exc}"}
 
@@ -451,23 +335,13 @@ def measure_peak_memory(
     device = torch.device(device)
     if name != "none":
         attention_variant(name, config)  # unknown names fail here, with the message
-    if device.type == "cuda":
+    if device.type != "cpu":  # the device's allocator counts for itself: measure here
         q, k, v = _inputs(config, length, device)
         fn = attention_variant(name, config) if name != "none" else None
         with torch.no_grad():
             if fn is not None:
                 fn(q[..., :64, :], k[..., :64, :], v[..., :64, :])
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            if fn is not None:
-                out = fn(q, k, v)
-                del out
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        return {"bytes": peak - before, "method": "torch.cuda.max_memory_allocated", "error": None}
-    if device.type != "cpu":
-        return {"bytes": None, "method": "none", "error": f"no peak-memory counter on {device.type}"}
+            return peak_memory_bytes((lambda: fn(q, k, v)) if fn is not None else (lambda: None), device=device)
     request = {"name": name, "length": length, "config": dataclasses.asdict(config), "threads": torch.get_num_threads()}
     return _memory_server_handle().measure(request)
 

@@ -62,6 +62,7 @@ __all__ = [
     "partial_attention",
     "merge_partials",
     "finish_partial",
+    "log_sum_exp",
     "query_chunked_attention",
     "chunked_attention",
 ]
@@ -134,13 +135,20 @@ def finish_partial(partial: PartialAttention) -> torch.Tensor:
     return partial.acc / denominator  # (..., L, Dv)
 
 
-def _log_sum_exp(partial: PartialAttention) -> torch.Tensor:
-    """``m + log(l)`` per row, ``(..., L, 1)``; ``-inf`` for empty rows. Used by the backward pass."""
+def log_sum_exp(partial: PartialAttention) -> torch.Tensor:
+    """``m + log(l)`` per row, ``(..., L, 1)``: the log of the softmax denominator; ``-inf`` for empty rows.
+
+    The one statistic per row a recomputing backward pass keeps: the weights of any chunk are then
+    ``exp(scores - lse)`` (used by :func:`chunked_attention`'s backward and by ``attn_course.distributed``).
+    """
     return torch.where(
         partial.row_sum > 0,
         partial.row_max + torch.log(partial.row_sum.clamp_min(torch.finfo(partial.row_sum.dtype).tiny)),
         torch.full_like(partial.row_sum, float("-inf")),
     )
+
+
+_log_sum_exp = log_sum_exp  # the old private name; import log_sum_exp instead
 
 
 # ----------------------------------------------------------------------------------------
@@ -262,7 +270,7 @@ def _online_softmax_forward(q, k, v, mask, *, is_causal, scale, query_chunk, key
             step = partial_attention(scores, v[..., k0:k1, :])
             running = step if running is None else merge_partials(running, step)
         outputs.append(finish_partial(running))  # (..., cq, Dv)
-        log_sum_exps.append(_log_sum_exp(running))  # (..., cq, 1)
+        log_sum_exps.append(log_sum_exp(running))  # (..., cq, 1)
     return torch.cat(outputs, dim=-2), torch.cat(log_sum_exps, dim=-2)  # (..., L, Dv), (..., L, 1)
 
 

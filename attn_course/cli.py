@@ -1,4 +1,15 @@
-"""The ``attn-course`` command: benchmarks, device info, and course tooling."""
+"""The ``attn-course`` command: benchmarks, device info, and course tooling.
+
+    attn-course info [--device D]
+    attn-course bench mha [--batch --length --d-model --heads ...]        (make bench)
+    attn-course bench attention [--lengths --heads --head-dim ...]
+    attn-course make-exercises | regenerate [NB...] | runtimes [NB...]     (maintainers)
+    attn-course grade SUBMISSION... [--csv --json --tasks ...]             (instructors)
+
+Each command imports what it needs when it runs (the grader only for ``grade``), so ``--help``
+and ``info`` stay fast. A wrong argument exits with status 2 and one line on stderr naming it
+-- no usage block, no traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,54 +17,111 @@ import argparse
 import json
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # A command without subcommands refuses what it does not know itself, so the error names
+        # it ("attn-course bench mha: ... --lengths") instead of the top-level parser.
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and getattr(self, "_subparsers", None) is None:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+class UsageError(Exception):
+    """An argument that parses but cannot be used (a device that is not there, heads that do not divide)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
+def _device(name: str | None):
+    from .device import pick_device
+
+    try:
+        return pick_device(name)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(f"--device {name}: {exc}") from None
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from .device import describe_device, pick_device
+    from .device import describe_device
 
-    device = pick_device(args.device)
+    device = _device(args.device)
     print(f"torch {torch.__version__}; device: {describe_device(device)}")
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _start_bench(args: argparse.Namespace):
+    """Pick the device and threads, print them; return the device."""
     import torch
 
-    from .bench import bench_mha, matmul_gflops
-    from .device import describe_device, pick_device
+    from .device import describe_device
 
-    device = pick_device(args.device)
+    device = _device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"device: {describe_device(device)}; torch {torch.__version__}")
+    return device
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
+
+
+def _cmd_bench_mha(args: argparse.Namespace) -> int:
+    if args.d_model % args.heads:
+        raise UsageError(f"--heads {args.heads} must divide --d-model {args.d_model} (head_dim = d_model / heads)")
+    from .bench import bench_mha, matmul_gflops
+
+    device = _start_bench(args)
     gflops = matmul_gflops(device=device)
     print(f"matmul 2048x2048 fp32: {gflops:.1f} GFLOP/s")
-    result: dict[str, object] = {"device": str(device), "matmul_gflops": gflops}
-    if args.target in ("mha", "all"):
-        r = bench_mha(device=device, batch=args.batch, length=args.length, d_model=args.d_model, num_heads=args.heads)
-        print(
-            f"MultiHeadAttention forward+backward (B={r['batch']}, L={r['length']}, E={r['d_model']}, "
-            f"H={r['num_heads']}):"
-        )
-        print(f"  attn_course.MultiHeadAttention: {r['ours_ms']:8.2f} ms")
-        print(f"  torch.nn.MultiheadAttention:    {r['torch_ms']:8.2f} ms")
-        print(f"  ratio ours/torch: {r['ratio']:.3f}x (target <= 1.15x)")
-        result["mha"] = r
-    if args.target in ("attention", "all"):
-        from .bench import AttentionBenchConfig, report_attention
+    r = bench_mha(device=device, batch=args.batch, length=args.length, d_model=args.d_model, num_heads=args.heads)
+    print(f"MultiHeadAttention forward+backward (B={r['batch']}, L={r['length']}, E={r['d_model']}, H={r['num_heads']}):")
+    print(f"  attn_course.MultiHeadAttention: {r['ours_ms']:8.2f} ms")
+    print(f"  torch.nn.MultiheadAttention:    {r['torch_ms']:8.2f} ms")
+    print(f"  ratio ours/torch: {r['ratio']:.3f}x (target <= 1.15x)")
+    _write_json(args.json, {"device": str(device), "matmul_gflops": gflops, "mha": r})
+    return 0
 
+
+def _cmd_bench_attention(args: argparse.Namespace) -> int:
+    from .bench import AttentionBenchConfig, report_attention
+
+    try:
         config = AttentionBenchConfig(
             lengths=tuple(args.lengths), heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
             chunk_size=args.chunk_size, rounds=args.rounds, measure_memory=not args.no_memory,
         )
-        result["attention"] = report_attention(config, device=device, plot_path=args.plot)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+    device = _start_bench(args)
+    results = report_attention(config, device=device, plot_path=args.plot)
+    _write_json(args.json, {"device": str(device), "attention": results})
     return 0
 
 
@@ -71,7 +139,11 @@ def _notebook_paths(given: list[str]) -> list:
     from .course import project_root
 
     if given:
-        return [Path(p).resolve() for p in given]
+        paths = [Path(p).resolve() for p in given]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise UsageError(f"no such notebook: {', '.join(missing)}")
+        return paths
     root = project_root()
     return sorted((root / "notebooks").glob("*.ipynb")) + sorted((root / "solutions").glob("*.ipynb"))
 
@@ -89,74 +161,72 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def _cmd_runtimes(args: argparse.Namespace) -> int:
-    import datetime
-    import os
-    import platform
-
-    import nbformat
-    import torch
-
-    from .course import (
-        COURSE_MAP_HEADING,
-        RUNTIMES_FILE,
-        Runtimes,
-        course_map_markdown,
-        load_runtimes,
-        project_root,
-        save_runtimes,
-    )
-    from .notebooks import measure_runtimes
+    from .course import RUNTIMES_FILE, load_runtimes, measured_runtimes, project_root, save_runtimes
+    from .notebooks import measure_runtimes, write_course_map
 
     root = project_root()
     paths = _notebook_paths(args.paths)
     seconds = {}
     if args.paths and (root / RUNTIMES_FILE).exists():
-        seconds = dict(load_runtimes().seconds)  # measuring a few notebooks keeps the others' figures
+        seconds = dict(load_runtimes(root / RUNTIMES_FILE).seconds)  # timing a few notebooks keeps the others' figures
     for path, took in measure_runtimes(paths):
         key = path.relative_to(root).as_posix()
         seconds[key] = round(took, 1)
         print(f"{took:6.1f} s  {key}", flush=True)
-    gpu = f"with a {torch.cuda.get_device_name()} GPU" if torch.cuda.is_available() else "without a GPU"
-    machine = f"a {os.cpu_count()}-core {platform.machine()} CPU {gpu}"
-    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
-    runtimes = Runtimes(machine=machine, threads=threads, date=datetime.date.today().isoformat(), seconds=seconds)
-    print(f"wrote {save_runtimes(runtimes)}")
-
-    welcome_path = root / "notebooks" / "00_welcome.ipynb"
-    welcome = nbformat.read(welcome_path, as_version=4)
-    cell = next(c for c in welcome.cells if c.cell_type == "markdown" and c.source.startswith(COURSE_MAP_HEADING))
-    cell.source = course_map_markdown(runtimes)
-    welcome_path.write_text(nbformat.writes(welcome) + "\n")
-    print(f"updated the course map in {welcome_path}")
+    runtimes = measured_runtimes(seconds)
+    print(f"wrote {save_runtimes(runtimes, root / RUNTIMES_FILE)}")
+    print(f"updated the course map in {write_course_map(runtimes, root=root)}")
     return 0
 
 
+def _grade(argv: list[str]) -> int:
+    """``attn-course grade``: the only command that imports the grader."""
+    from .grading import batch
+
+    parser = _Parser(prog="attn-course grade", description="grade submitted notebooks, each in its own sandbox (bubblewrap), and write CSV/JSON grade sheets")
+    batch.add_arguments(parser)  # the grader's options live next to the grader
+    return batch.run_from_args(parser.parse_args(argv))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attn-course", description="Tools for the attn-course notebooks.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The parser of every command but ``grade``'s own options (those come with the grader, when it runs)."""
+    parser = _Parser(prog="attn-course", description="Tools for the attn-course notebooks.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     info = sub.add_parser("info", help="print torch version and the device the course will use")
-    info.add_argument("--device", default=None)
+    info.add_argument("--device", default=None, help="cpu, cuda or mps (default: the best available)")
     info.set_defaults(func=_cmd_info)
 
     bench = sub.add_parser("bench", help="run a benchmark and print measured figures")
-    bench.add_argument("target", choices=["mha", "attention", "all"], help="what to benchmark")
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    bench.add_argument("--batch", type=int, default=8)
-    bench.add_argument("--length", type=int, default=256)
-    bench.add_argument("--d-model", type=int, default=256)
-    bench.add_argument("--heads", type=int, default=8)
-    bench.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
-                       help="attention: sequence lengths N (B=1, fp32)")
-    bench.add_argument("--head-dim", type=int, default=64, help="attention: head dim D")
-    bench.add_argument("--block-size", type=int, default=128, help="attention: block-local block")
-    bench.add_argument("--chunk-size", type=int, default=1024, help="attention: chunked query/key chunk")
-    bench.add_argument("--rounds", type=int, default=3, help="attention: interleaved timing rounds (median)")
-    bench.add_argument("--no-memory", action="store_true", help="attention: skip the peak-memory measurements")
-    bench.add_argument("--plot", default=None, help="attention: save the time/memory plot to this PNG")
-    bench.set_defaults(func=_cmd_bench)
+    targets = bench.add_subparsers(dest="target", required=True, metavar="TARGET")
+    common = _Parser(add_help=False)
+    common.add_argument("--device", default=None, help="cpu, cuda or mps (default: the best available)")
+    common.add_argument("--threads", type=_non_negative_int, default=0, help="torch threads (default: torch's choice)")
+    common.add_argument("--json", default=None, help="also write the figures to this JSON file")
+
+    mha = targets.add_parser(
+        "mha", parents=[common], help="MultiHeadAttention vs nn.MultiheadAttention, forward+backward, as a ratio"
+    )
+    mha.add_argument("--batch", type=_positive_int, default=8, help="batch size B")
+    mha.add_argument("--length", type=_positive_int, default=256, help="sequence length L")
+    mha.add_argument("--d-model", type=_positive_int, default=256, help="model dim E")
+    mha.add_argument("--heads", type=_positive_int, default=8, help="heads H (must divide --d-model)")
+    mha.set_defaults(func=_cmd_bench_mha)
+
+    attention = targets.add_parser(
+        "attention", parents=[common],
+        help="time and peak memory against sequence length: dense, fused, block-local, linear, chunked",
+    )
+    attention.add_argument("--lengths", type=_positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                           help="sequence lengths N (B=1, fp32)")
+    attention.add_argument("--heads", type=_positive_int, default=8, help="heads H")
+    attention.add_argument("--head-dim", type=_positive_int, default=64, help="head dim D")
+    attention.add_argument("--block-size", type=_positive_int, default=128, help="block-local block")
+    attention.add_argument("--chunk-size", type=_positive_int, default=1024, help="chunked query/key chunk")
+    attention.add_argument("--rounds", type=_positive_int, default=3, help="interleaved timing rounds (median)")
+    attention.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    attention.add_argument("--plot", default=None, help="save the time/memory plot to this PNG")
+    attention.set_defaults(func=_cmd_bench_attention)
 
     exercises = sub.add_parser("make-exercises", help="regenerate exercises/ from solutions/")
     exercises.set_defaults(func=_cmd_make_exercises)
@@ -175,17 +245,22 @@ def build_parser() -> argparse.ArgumentParser:
     runtimes.add_argument("paths", nargs="*", help="notebooks to time (default: notebooks/*.ipynb solutions/*.ipynb)")
     runtimes.set_defaults(func=_cmd_runtimes)
 
-    from .grading import batch  # the grader's options live next to the grader
-
-    grade = sub.add_parser("grade", help="grade submitted notebooks in separate processes; write CSV/JSON")
-    batch.add_arguments(grade)
-    grade.set_defaults(func=batch.run_from_args)
+    # Listed for --help; main() hands `grade ...` to the grader's own parser before this one runs.
+    sub.add_parser("grade", help="grade submitted notebooks, each in its own sandbox; write CSV/JSON (see grade --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grade"]:
+        return _grade(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        where = f"attn-course {args.command}" + (f" {args.target}" if getattr(args, "target", None) else "")
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ __all__ = [
     "SOLUTION_BUDGET_S",
     "load_runtimes",
     "save_runtimes",
+    "measured_runtimes",
     "course_map_markdown",
     "COURSE_MAP_HEADING",
 ]
@@ -132,6 +133,20 @@ def save_runtimes(runtimes: Runtimes, path: Path | None = None) -> Path:
     data = {"machine": runtimes.machine, "threads": runtimes.threads, "date": runtimes.date, "seconds": runtimes.seconds}
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def measured_runtimes(seconds: dict[str, float]) -> Runtimes:
+    """``seconds`` (measured just now) with a description of this machine, its thread count and today's date."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    gpu = f"with a {torch.cuda.get_device_name()} GPU" if torch.cuda.is_available() else "without a GPU"
+    machine = f"a {os.cpu_count()}-core {platform.machine()} CPU {gpu}"
+    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    return Runtimes(machine=machine, threads=threads, date=datetime.date.today().isoformat(), seconds=seconds)
 
 
 def course_map_markdown(runtimes: Runtimes) -> str:

@@ -16,6 +16,10 @@ Here the same checks work on *any* model, through hooks, without changing its co
   works inside any training loop, e.g. ``attn_course.training.fit``).
 * ``find_nonfinite(model)``: a context manager naming the first module (in execution
   order) whose output -- or, optionally, whose input gradient -- holds a NaN or inf.
+* ``token_influence(fn, x)``: perturb one input position at a time and record which output
+  positions change -- the "token-mixing test" of lesson 02 (it catches heads merged without
+  the transpose), the future-leak test of lesson 03 (a causal model's matrix is
+  lower-triangular) and the probe that exposes the source article's ViT attention (lesson 09).
 
 Shape legend: B batch, H heads, L query length, S key length. Masks: bool, True = may attend.
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 
 from ._checks import check_mask, check_tensor, shape_str
 from .grouped import GroupedQueryAttention, grouped_attention
-from .masks import causal_mask, from_blocked_mask, mask_to_bias
+from .masks import from_blocked_mask, mask_to_bias, with_causal
 from .multihead import MultiHeadAttention, split_heads
 
 __all__ = [
@@ -54,6 +58,7 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteTracker",
     "find_nonfinite",
+    "token_influence",
 ]
 
 
@@ -64,10 +69,7 @@ def _allowed(mask: torch.Tensor | None, *, is_causal: bool, L: int, S: int, devi
     """A bool mask (True = may attend) from a bool or additive float mask and ``is_causal``."""
     if mask is not None and mask.dtype != torch.bool:
         mask = ~torch.isneginf(mask)  # additive mask: -inf blocks, anything else is allowed
-    if is_causal:
-        causal = causal_mask(L, S, device=device)  # (L, S)
-        mask = causal if mask is None else mask & causal
-    return mask
+    return with_causal(mask, L, S, device=device) if is_causal else mask
 
 
 def attention_entropy(
@@ -250,9 +252,8 @@ def _course_weights(module: MultiHeadAttention, call: dict[str, object]) -> tupl
     query = call["query"]
     key = query if call["key"] is None else call["key"]
     mask, is_causal = call["mask"], call["is_causal"]
-    num_kv_heads = getattr(module, "num_kv_heads", module.num_heads)
     q = split_heads(module.q_proj(query), module.num_heads)  # (B, H, L, D)
-    k = split_heads(module.k_proj(key), num_kv_heads)  # (B, Hkv, S, D)
+    k = split_heads(module.k_proj(key), module.num_kv_heads)  # (B, Hkv, S, D)
     _, weights = grouped_attention(q, k, k, mask, is_causal=is_causal, need_weights=True, fused=False)  # (B, H, L, S)
     return weights, _allowed(mask, is_causal=is_causal, L=q.shape[2], S=k.shape[2], device=q.device)
 
@@ -316,7 +317,11 @@ def _weights_reader(module: nn.Module):
     if callable(getattr(module, "attention_weights", None)):
         return lambda call: module.attention_weights(**call)
     if isinstance(module, MultiHeadAttention):
-        if type(module).forward in (MultiHeadAttention.forward, GroupedQueryAttention.forward):
+        kind = type(module)
+        if kind.forward is MultiHeadAttention.forward and kind.attend in (
+            MultiHeadAttention.attend,
+            GroupedQueryAttention.attend,
+        ):
             return lambda call: _course_weights(module, call)
         if "need_weights" not in inspect.signature(module.forward).parameters:
             raise TypeError(
@@ -342,8 +347,9 @@ def capture_attention(model: nn.Module, *, to_cpu: bool = False) -> Iterator[Att
     layer -- for ``MultiHeadAttention``, ``GroupedQueryAttention`` and ``nn.MultiheadAttention``.
     A module with a method ``attention_weights(**forward_arguments)`` returning
     ``(weights, mask)`` (as ``DynamicHeadAttention`` has) is asked through it. Any other
-    ``MultiHeadAttention`` subclass that overrides ``forward`` (e.g. with position terms in
-    the scores) has its ``forward`` called a second time with ``need_weights=True``.
+    ``MultiHeadAttention`` subclass that overrides ``forward`` or its attention step ``attend``
+    (e.g. with position terms in the scores) has its ``forward`` called a second time with
+    ``need_weights=True``.
 
         with capture_attention(model) as captured:
             model(x)
@@ -644,3 +650,53 @@ def find_nonfinite(
     finally:
         for handle in handles:
             handle.remove()
+
+
+# --------------------------------------------------------------------------- which tokens an output reads
+
+
+@torch.no_grad()
+def token_influence(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """How much each output position moves when one input position changes: ``(L_out, L_in)``.
+
+    For each input position ``j``, ``x[:, j]`` is changed in every example -- float inputs
+    ``(B, L, ...)`` get ``scale`` times one fixed (seeded) random vector added, integer token
+    ids ``(B, L)`` become ``(id + 1) % vocab_size`` -- and ``fn`` runs again. Entry ``[i, j]``
+    is the largest absolute change of output position ``i`` (``fn`` returns
+    ``(B, L_out, ...)``) over examples and features.
+
+    Read ``token_influence(fn, x) > 1e-6`` as "row i reads from columns j": a causal layer
+    gives a lower-triangular matrix, a layer that mixes tokens a full one, and one that mixes
+    nothing across tokens (e.g. a per-position MLP) the diagonal.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        got = shape_str(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a tensor (B, L, ...) with the sequence on dim 1, got {got}")
+    floating = x.dtype.is_floating_point
+    if not floating and vocab_size is None:
+        raise ValueError("x holds token ids: pass vocab_size so a token can be changed to another valid id")
+    base = fn(x)
+    if not isinstance(base, torch.Tensor) or base.dim() < 2 or base.shape[0] != x.shape[0]:
+        got = shape_str(base.shape) if isinstance(base, torch.Tensor) else type(base).__name__
+        raise ValueError(f"fn must return a tensor (B, L_out, ...) with B = {x.shape[0]}, got {got}")
+    generator = torch.Generator().manual_seed(0)
+    direction = None
+    if floating:
+        direction = torch.randn(x.shape[2:], generator=generator, dtype=x.dtype).to(x.device) * scale  # (...)
+    columns = []
+    for j in range(x.shape[1]):
+        changed = x.clone()
+        if floating:
+            changed[:, j] += direction
+        else:
+            changed[:, j] = (changed[:, j] + 1) % vocab_size
+        moved = (fn(changed) - base).abs()  # (B, L_out, ...)
+        moved = moved.reshape(moved.shape[0], moved.shape[1], -1)  # (B, L_out, features)
+        columns.append(moved.amax(dim=(0, 2)))  # (L_out,)
+    return torch.stack(columns, dim=1)  # (L_out, L_in)

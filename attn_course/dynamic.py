@@ -38,8 +38,8 @@ import torch.nn as nn
 
 from ._checks import check_tensor, shape_str
 from .attention import scaled_dot_product_attention
-from .masks import causal_mask, combine_masks
-from .multihead import MultiHeadAttention, merge_heads, split_heads
+from .masks import combine_masks, with_causal
+from .multihead import MultiHeadAttention, split_heads
 
 __all__ = ["DynamicHeadAttention"]
 
@@ -53,26 +53,14 @@ class DynamicHeadAttention(MultiHeadAttention):
 
     The gate (``self.gate``, a ``Linear(E, H)``) is initialised to zero, so a fresh module has
     ``w = 1`` everywhere and computes exactly what ``MultiHeadAttention`` with the same
-    projections computes. Arguments are those of ``MultiHeadAttention``.
+    projections computes. Arguments are those of ``MultiHeadAttention``; of its pipeline only the
+    attention step (:meth:`attend`) is overridden, to scale each head's output.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        *,
-        bias: bool = True,
-        dropout: float = 0.0,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        fused: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            d_model, num_heads, bias=bias, dropout=dropout, kdim=kdim, vdim=vdim, fused=fused, device=device, dtype=dtype
-        )
-        self.gate = nn.Linear(d_model, num_heads, device=device, dtype=dtype)
+    def __init__(self, d_model: int, num_heads: int, **options: object) -> None:
+        """``options``: ``MultiHeadAttention``'s keyword arguments (bias, dropout, kdim, vdim, fused, device, dtype)."""
+        super().__init__(d_model, num_heads, **options)
+        self.gate = nn.Linear(d_model, num_heads, device=options.get("device"), dtype=options.get("dtype"))
         nn.init.zeros_(self.gate.weight)  # start as plain multi-head attention (all weights 1)
         nn.init.zeros_(self.gate.bias)
 
@@ -141,30 +129,38 @@ class DynamicHeadAttention(MultiHeadAttention):
         The returned attention ``weights`` ``(B, H, L, S)`` are the per-head softmax weights,
         before the head weighting.
         """
-        self_attention = key is None
-        key = query if key is None else key
-        value = key if value is None else value
-        self._check_inputs(query, key, value)
-        padding_mask = self._check_padding(query, padding_mask)
-        mask = self._key_mask(mask, padding_mask, self_attention=self_attention)
+        key, value, mask, padding_mask = self._prepare(query, key, value, mask=mask, padding_mask=padding_mask)
         head_weights = self.head_weights(query, padding_mask=padding_mask)  # (B, H)
-        q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
-        k = split_heads(self.k_proj(key), self.num_heads)  # (B, H, S, D)
-        v = split_heads(self.v_proj(value), self.num_heads)  # (B, H, S, D)
-        attended = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            fused=None if self.fused else False,
+        return self._project_attend_merge(
+            query, key, value, need_weights=need_weights, mask=mask, is_causal=is_causal, head_weights=head_weights
         )
-        context, weights = attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S)
-        context = context * head_weights[:, :, None, None]  # (B, H, L, D), head h scaled by w[b, h]
-        out = self.out_proj(merge_heads(context))  # (B, L, E)
-        return (out, weights) if need_weights else out
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_weights: torch.Tensor, **options: object
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``MultiHeadAttention``'s attention step, then head ``h``'s output times ``head_weights[:, h]``.
+
+        ``head_weights`` ``(B, H)`` come from :meth:`head_weights`; ``options`` (mask, ``is_causal``,
+        ``need_weights``) are those of ``MultiHeadAttention.attend``. The weights returned are
+        the per-head softmax weights, before the head weighting.
+        """
+        context, weights = super().attend(q, k, v, **options)  # (B, H, L, D), (B, H, L, S) or None
+        return context * head_weights[:, :, None, None], weights  # (B, H, L, D), head h scaled by w[b, h]
+
+    def _prepare(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        *,
+        mask: torch.Tensor | None,
+        padding_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Check the inputs; in self-attention fold the padding into the key mask. Returns key, value, mask, padding."""
+        self_attention = key is None
+        key, value = self._check_inputs(query, key, value, mask)
+        padding_mask = self._check_padding(query, padding_mask)
+        return key, value, self._key_mask(mask, padding_mask, self_attention=self_attention), padding_mask
 
     def attention_weights(
         self,
@@ -181,20 +177,10 @@ class DynamicHeadAttention(MultiHeadAttention):
 
         This is how ``attn_course.diagnostics.capture_attention`` reads this module's weights.
         """
-        self_attention = key is None
-        key = query if key is None else key
-        self._check_inputs(query, key, key if value is None else value)
-        padding_mask = self._check_padding(query, padding_mask)
-        mask = self._key_mask(mask, padding_mask, self_attention=self_attention)
+        key, _, mask, _ = self._prepare(query, key, value, mask=mask, padding_mask=padding_mask)
         q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
         k = split_heads(self.k_proj(key), self.num_heads)  # (B, H, S, D)
-        _, weights = scaled_dot_product_attention(q, k, k, mask, is_causal=is_causal, need_weights=True, fused=False)
         if is_causal:
-            causal = causal_mask(q.shape[2], k.shape[2], device=q.device)  # (L, S)
-            if mask is None:
-                mask = causal
-            elif mask.dtype == torch.bool:
-                mask = mask & causal  # (..., L, S)
-            else:
-                mask = mask.masked_fill(~causal, float("-inf"))  # additive mask, future set to -inf
+            mask = with_causal(mask, q.shape[2], k.shape[2], device=q.device)  # (..., L, S)
+        _, weights = scaled_dot_product_attention(q, k, k, mask, need_weights=True, fused=False)  # (B, H, L, S)
         return weights, mask

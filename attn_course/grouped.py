@@ -7,15 +7,16 @@ heads between query heads:
 
 * **multi-query attention** (MQA; Shazeer, 2019): one K/V head for all ``H`` query heads;
 * **grouped-query attention** (GQA; Ainslie et al., 2023): ``num_kv_heads`` K/V heads, each
-  shared by a group of ``G = num_heads // num_kv_heads`` consecutive query heads.
+  shared by ``R = num_heads // num_kv_heads`` consecutive query heads (R repeats; lesson 11 names a
+  layout GQA-G after its G = Hkv key/value heads).
 
 Both are one module here: ``num_kv_heads=1`` is MQA, ``num_kv_heads=num_heads`` is ordinary
-multi-head attention. Query head ``h`` reads K/V head ``h // G``, which is what
+multi-head attention. Query head ``h`` reads K/V head ``h // R``, which is what
 ``repeat_kv`` (``repeat_interleave`` along the head axis) spells out; the module gets the
-same numbers without copying K or V, by folding the G query heads of a group into the
+same numbers without copying K or V, by folding the R query heads of a group into the
 query axis.
 
-Shape legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, L query length,
+Shape legend: B batch, H query heads, Hkv key/value heads, R = H // Hkv, L query length,
 S key length, D head dim, E model dim. Masks: bool, True = may attend.
 
 Taught in lesson 11 (dynamic heads and beyond).
@@ -26,45 +27,33 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_mask, check_tensor, shape_str, weights_keyword
+from ._checks import check_mask, check_positive_int, check_tensor, shape_str, weights_keyword
 from .attention import scaled_dot_product_attention
-from .masks import causal_mask
-from .multihead import MultiHeadAttention, merge_heads, split_heads
+from .masks import with_causal
+from .multihead import MultiHeadAttention
 
-__all__ = [
-    "GroupedQueryAttention",
-    "grouped_attention",
-    "repeat_kv",
-    "kv_cache_bytes",
-    "compare_kv_cache_memory",
-]
+__all__ = ["GroupedQueryAttention", "grouped_attention", "repeat_kv"]
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(B, Hkv, S, D)`` -> ``(B, Hkv * groups, S, D)``: each K/V head repeated for its query group.
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``(B, Hkv, S, D)`` -> ``(B, Hkv * n_rep, S, D)``: each K/V head repeated for its query group.
 
     ``repeat_interleave`` puts the copies of head 0 first (heads 0, 0, 1, 1, ... for
-    ``groups=2``), so query head ``h`` meets K/V head ``h // groups``. This materialises the
+    ``n_rep=2``), so query head ``h`` meets K/V head ``h // n_rep``. This materialises the
     copies; it is the reference that ``grouped_attention`` is tested against.
     """
     check_tensor("x", x, min_dim=1)
     if x.dim() != 4:
         raise ValueError(f"x must be (B, Hkv, S, D), got shape {shape_str(x.shape)}")
-    groups = _positive_int("groups", groups)
-    return x.repeat_interleave(groups, dim=1)  # (B, Hkv * groups, S, D)
+    n_rep = check_positive_int("n_rep", n_rep)
+    return x.repeat_interleave(n_rep, dim=1)  # (B, Hkv * n_rep, S, D)
 
 
 def _fold_mask(mask: torch.Tensor, *, B: int, H: int, L: int, S: int, num_kv_heads: int) -> torch.Tensor:
-    """A mask broadcastable to ``(B, H, L, S)`` -> ``(B or 1, Hkv, G * L, S)``, matching folded queries."""
+    """A mask broadcastable to ``(B, H, L, S)`` -> ``(B or 1, Hkv, R * L, S)``, matching folded queries."""
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (b, h, l, s), each 1 or full size
     mask = mask.expand(mask.shape[0], H, L, S)  # (b, H, L, S), a view
-    return mask.reshape(mask.shape[0], num_kv_heads, (H // num_kv_heads) * L, S)  # (b, Hkv, G * L, S)
+    return mask.reshape(mask.shape[0], num_kv_heads, (H // num_kv_heads) * L, S)  # (b, Hkv, R * L, S)
 
 
 @weights_keyword
@@ -93,11 +82,11 @@ def grouped_attention(
 
     Returns:
         ``out`` ``(B, H, L, Dv)``, or ``(out, weights)`` with weights ``(B, H, L, S)``.
-        Equal to ``scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G))``.
+        Equal to ``scaled_dot_product_attention(q, repeat_kv(k, R), repeat_kv(v, R))``.
 
-    How: the G query heads of a group all read the same keys and values, so they are just
-    G times more queries for that K/V head. We fold them into the query axis,
-    ``(B, H, L, D) -> (B, Hkv, G * L, D)``, and run ordinary attention against the
+    How: the R query heads of a group all read the same keys and values, so they are just
+    R times more queries for that K/V head. We fold them into the query axis,
+    ``(B, H, L, D) -> (B, Hkv, R * L, D)``, and run ordinary attention against the
     ``Hkv`` K/V heads as they are -- K and V are never copied.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -120,23 +109,17 @@ def grouped_attention(
             f"q, k and v must share the batch size B: q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
             f"v {shape_str(v.shape)}"
         )
-    groups = H // num_kv_heads
+    n_rep = H // num_kv_heads
     S = k.shape[2]
     if mask is not None:
         mask = check_mask(mask, (B, H, L, S), device=q.device)
     if is_causal:
-        # Folding G heads into the query axis would shift a top-left causal mask between
+        # Folding R heads into the query axis would shift a top-left causal mask between
         # heads, so the causal pattern is written out per head before folding.
-        causal = causal_mask(L, S, device=q.device)  # (L, S)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal  # (..., L, S)
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))  # (..., L, S)
+        mask = with_causal(mask, L, S, device=q.device)  # (..., L, S)
     if mask is not None:
-        mask = _fold_mask(mask, B=B, H=H, L=L, S=S, num_kv_heads=num_kv_heads)  # (B or 1, Hkv, G * L, S)
-    q_folded = q.reshape(B, num_kv_heads, groups * L, D)  # (B, Hkv, G * L, D); query head h = kv * G + g
+        mask = _fold_mask(mask, B=B, H=H, L=L, S=S, num_kv_heads=num_kv_heads)  # (B or 1, Hkv, R * L, S)
+    q_folded = q.reshape(B, num_kv_heads, n_rep * L, D)  # (B, Hkv, R * L, D); query head h = kv * R + r
     attended = scaled_dot_product_attention(
         q_folded,
         k,
@@ -148,7 +131,7 @@ def grouped_attention(
         fused=fused,
     )
     if need_weights:
-        out, weights = attended  # (B, Hkv, G * L, Dv), (B, Hkv, G * L, S)
+        out, weights = attended  # (B, Hkv, R * L, Dv), (B, Hkv, R * L, S)
         return out.reshape(B, H, L, -1), weights.reshape(B, H, L, S)  # (B, H, L, Dv), (B, H, L, S)
     return attended.reshape(B, H, L, -1)  # (B, H, L, Dv)
 
@@ -158,8 +141,10 @@ class GroupedQueryAttention(MultiHeadAttention):
 
     A ``MultiHeadAttention`` whose key and value projections produce ``num_kv_heads`` heads
     of size ``head_dim = d_model // num_heads`` instead of ``num_heads``: ``k_proj`` and
-    ``v_proj`` map to ``num_kv_heads * head_dim`` features. The query and output projections,
-    ``forward``'s arguments and the returned shapes are those of ``MultiHeadAttention``.
+    ``v_proj`` map to ``num_kv_heads * head_dim`` features, and the attention step
+    (:meth:`attend`) is :func:`grouped_attention`. Everything else -- the query and output
+    projections, ``forward`` itself, its arguments and the returned shapes -- is
+    ``MultiHeadAttention``'s.
 
     Args:
         d_model: model dim E.
@@ -186,7 +171,7 @@ class GroupedQueryAttention(MultiHeadAttention):
         super().__init__(
             d_model, num_heads, bias=bias, dropout=dropout, kdim=kdim, vdim=vdim, fused=fused, device=device, dtype=dtype
         )
-        num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             choices = [h for h in range(1, num_heads + 1) if num_heads % h == 0]
             raise ValueError(
@@ -194,7 +179,7 @@ class GroupedQueryAttention(MultiHeadAttention):
                 f"serves the same number of query heads, so num_kv_heads must be one of {choices}"
             )
         self.num_kv_heads = num_kv_heads
-        self.groups = num_heads // num_kv_heads
+        self.n_rep = num_heads // num_kv_heads  # R: query heads per key/value head
         factory = {"device": device, "dtype": dtype}
         kv_features = num_kv_heads * self.head_dim
         # Replace the parent's (E -> E) key/value projections by narrower ones.
@@ -207,40 +192,18 @@ class GroupedQueryAttention(MultiHeadAttention):
             f"head_dim={self.head_dim}, dropout={self.dropout}"
         )
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        *,
-        mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attend from ``query`` ``(B, L, E)`` to ``key``/``value`` ``(B, S, kdim/vdim)``.
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        mask: torch.Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention step with shared K/V heads: q ``(B, H, L, D)``, k and v ``(B, Hkv, S, D)``.
 
-        Same contract as ``MultiHeadAttention.forward``: returns ``out`` ``(B, L, E)``, or
-        ``(out, weights)`` with per-query-head weights ``(B, H, L, S)``.
+        ``MultiHeadAttention.forward`` projects (k_proj and v_proj to ``Hkv`` heads), splits and
+        merges as usual; only this step differs: :func:`grouped_attention` instead of
+        ``scaled_dot_product_attention``. Returns ``(context (B, H, L, D), weights (B, H, L, S) or None)``.
         """
-        key = query if key is None else key
-        value = key if value is None else value
-        self._check_inputs(query, key, value)
-        q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
-        k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, S, D)
-        v = split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, S, D)
-        attended = grouped_attention(
-            q,
-            k,
-            v,
-            mask,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            fused=None if self.fused else False,
-        )
-        context, weights = attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S)
-        out = self.out_proj(merge_heads(context))  # (B, L, E)
-        return (out, weights) if need_weights else out
+        attended = grouped_attention(q, k, v, mask, is_causal=is_causal, need_weights=need_weights, **self._kernel_options())
+        return attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S) or None
 
     @classmethod
     def from_multihead(cls, module: MultiHeadAttention, num_kv_heads: int) -> GroupedQueryAttention:
@@ -267,86 +230,25 @@ class GroupedQueryAttention(MultiHeadAttention):
             device=weight.device,
             dtype=weight.dtype,
         )
-        D, groups = new.head_dim, new.groups
+        D, n_rep = new.head_dim, new.n_rep
         with torch.no_grad():
             new.q_proj.load_state_dict(module.q_proj.state_dict())
             new.out_proj.load_state_dict(module.out_proj.state_dict())
             for name in ("k_proj", "v_proj"):
                 source, target = getattr(module, name), getattr(new, name)
-                w = source.weight.view(num_kv_heads, groups, D, source.in_features)  # (Hkv, G, D, in)
+                w = source.weight.view(num_kv_heads, n_rep, D, source.in_features)  # (Hkv, R, D, in)
                 target.weight.copy_(w.mean(dim=1).reshape(num_kv_heads * D, source.in_features))  # (Hkv * D, in)
                 if has_bias:
-                    b = source.bias.view(num_kv_heads, groups, D)  # (Hkv, G, D)
+                    b = source.bias.view(num_kv_heads, n_rep, D)  # (Hkv, R, D)
                     target.bias.copy_(b.mean(dim=1).reshape(num_kv_heads * D))  # (Hkv * D,)
         new.train(module.training)
         return new
 
 
-def kv_cache_bytes(
-    *,
-    batch_size: int,
-    seq_len: int,
-    num_kv_heads: int,
-    head_dim: int,
-    num_layers: int = 1,
-    dtype: torch.dtype = torch.float32,
-) -> int:
-    """Bytes a KV cache needs: keys and values for every layer, sequence, position and K/V head.
+def __getattr__(name: str) -> object:
+    """``kv_cache_bytes`` and ``compare_kv_cache_memory`` moved to ``attn_course.kv_cache``; old imports still work."""
+    if name in ("kv_cache_bytes", "compare_kv_cache_memory"):
+        from . import kv_cache  # imported here: kv_cache imports this module
 
-        2 (K and V) x num_layers x batch_size x seq_len x num_kv_heads x head_dim x bytes per element
-
-    It scales with ``num_kv_heads``, not with the number of query heads: that is the point of
-    MQA and GQA. ``attn_course.kv_cache.KVCache.nbytes`` is this figure for a real buffer.
-    """
-    for name, value in (
-        ("batch_size", batch_size),
-        ("seq_len", seq_len),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-        ("num_layers", num_layers),
-    ):
-        _positive_int(name, value)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * batch_size * seq_len * num_kv_heads * head_dim * itemsize
-
-
-def compare_kv_cache_memory(
-    *,
-    d_model: int,
-    num_heads: int,
-    kv_heads: tuple[int, ...] | None = None,
-    batch_size: int = 1,
-    seq_len: int = 4096,
-    num_layers: int = 1,
-    dtype: torch.dtype = torch.float32,
-) -> list[dict[str, object]]:
-    """KV-cache size of MHA, GQA and MQA for one model shape, one row per ``num_kv_heads``.
-
-    ``kv_heads`` defaults to every divisor of ``num_heads``, from ``num_heads`` (MHA) down to
-    1 (MQA). Each row: ``name``, ``num_kv_heads``, ``bytes``, ``mib``, and ``fraction`` (of
-    the MHA cache, i.e. ``num_kv_heads / num_heads``).
-    """
-    d_model, num_heads = _positive_int("d_model", d_model), _positive_int("num_heads", num_heads)
-    if d_model % num_heads != 0:
-        raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
-    head_dim = d_model // num_heads
-    if kv_heads is None:
-        kv_heads = tuple(h for h in range(num_heads, 0, -1) if num_heads % h == 0)
-    full = kv_cache_bytes(
-        batch_size=batch_size, seq_len=seq_len, num_kv_heads=num_heads, head_dim=head_dim,
-        num_layers=num_layers, dtype=dtype,
-    )
-    rows = []
-    for count in kv_heads:
-        count = _positive_int("num_kv_heads", count)
-        if num_heads % count != 0:
-            raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={count}")
-        name = "MHA" if count == num_heads else "MQA" if count == 1 else f"GQA-{count}"
-        size = kv_cache_bytes(
-            batch_size=batch_size, seq_len=seq_len, num_kv_heads=count, head_dim=head_dim,
-            num_layers=num_layers, dtype=dtype,
-        )
-        rows.append({"name": name, "num_kv_heads": count, "bytes": size, "mib": size / 2**20, "fraction": size / full})
-    return rows
+        return getattr(kv_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,13 +27,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str
-from .bench import time_call
-from .grouped import GroupedQueryAttention, _positive_int, grouped_attention
+from ._checks import check_positive_int, check_tensor, shape_str
+from .grouped import GroupedQueryAttention
+from .measure import time_call
 from .masks import causal_mask, combine_masks
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 
-__all__ = ["KVCache", "decode_step", "measure_decoding_speed"]
+__all__ = ["KVCache", "decode_step", "measure_decoding_speed", "kv_cache_bytes", "compare_kv_cache_memory"]
 
 
 class KVCache:
@@ -56,10 +56,10 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.max_length = _positive_int("max_length", max_length)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.max_length = check_positive_int("max_length", max_length)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
@@ -76,7 +76,7 @@ class KVCache:
         weight = module.k_proj.weight
         return cls(
             batch_size,
-            getattr(module, "num_kv_heads", module.num_heads),
+            module.num_kv_heads,
             module.head_dim,
             max_length,
             device=weight.device,
@@ -145,23 +145,28 @@ def decode_step(
     it. Feeding a sequence in pieces gives exactly ``module(x, is_causal=True)``.
 
     Works for ``MultiHeadAttention`` and ``GroupedQueryAttention`` (the cache then stores only
-    ``num_kv_heads`` heads). Subclasses that change ``forward`` (e.g. ``DynamicHeadAttention``,
-    whose head weights pool the whole sequence) are refused: caching would skip what they add.
+    ``num_kv_heads`` heads): it runs the module's own projections and attention step
+    (``module.attend``) on the new queries and the cached keys and values. Subclasses that change
+    ``forward`` or ``attend`` are refused: ``DynamicHeadAttention``'s head weights pool the whole
+    sequence and relative positions are measured inside the call, so caching would change what
+    they compute.
     """
-    if not isinstance(module, MultiHeadAttention) or type(module).forward not in (
-        MultiHeadAttention.forward,
-        GroupedQueryAttention.forward,
+    kind = type(module)
+    if (
+        not isinstance(module, MultiHeadAttention)
+        or kind.forward is not MultiHeadAttention.forward
+        or kind.attend not in (MultiHeadAttention.attend, GroupedQueryAttention.attend)
     ):
         raise TypeError(
             "decode_step supports MultiHeadAttention and GroupedQueryAttention, got "
-            f"{type(module).__name__}: a module that overrides forward would lose its extra step under the cache"
+            f"{kind.__name__}: a module that overrides forward or attend would lose its extra step under the cache"
         )
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
     if module.kdim != module.d_model or module.vdim != module.d_model:
         raise ValueError("decode_step is for self-attention: the module must have kdim == vdim == d_model")
     module._check_inputs(x, x, x)
-    num_kv_heads = getattr(module, "num_kv_heads", module.num_heads)
+    num_kv_heads = module.num_kv_heads
     if (cache.num_kv_heads, cache.head_dim) != (num_kv_heads, module.head_dim) or cache.batch_size != x.shape[0]:
         raise ValueError(
             f"the cache is (B, Hkv, D) = ({cache.batch_size}, {cache.num_kv_heads}, {cache.head_dim}) but the module "
@@ -178,14 +183,7 @@ def decode_step(
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"decode_step takes a boolean mask (True = may attend), got {mask.dtype}")
     allowed = combine_masks(mask, causal)  # broadcastable to (B, H, T, S), or None
-    context = grouped_attention(
-        q,
-        keys,
-        values,
-        allowed,
-        dropout_p=module.dropout if module.training else 0.0,
-        fused=None if module.fused else False,
-    )  # (B, H, T, D)
+    context, _ = module.attend(q, keys, values, mask=allowed)  # (B, H, T, D)
     return module.out_proj(merge_heads(context))  # (B, T, E)
 
 
@@ -207,9 +205,9 @@ def measure_decoding_speed(
     generation (``full_s``, ``cached_s``), the ``speedup`` (``full_s / cached_s``) and
     ``max_abs_diff`` between the two loops' outputs (they compute the same thing).
     """
-    prompt_length = _positive_int("prompt_length", prompt_length)
-    new_tokens = _positive_int("new_tokens", new_tokens)
-    repeats = _positive_int("repeats", repeats)
+    prompt_length = check_positive_int("prompt_length", prompt_length)
+    new_tokens = check_positive_int("new_tokens", new_tokens)
+    repeats = check_positive_int("repeats", repeats)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     weight = module.q_proj.weight
@@ -246,3 +244,78 @@ def measure_decoding_speed(
         "speedup": full_s / cached_s,
         "max_abs_diff": difference,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# How big the cache gets: MHA, GQA and MQA side by side
+# --------------------------------------------------------------------------------------------
+
+
+def kv_cache_bytes(
+    *,
+    batch_size: int,
+    seq_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes a KV cache needs: keys and values for every layer, sequence, position and K/V head.
+
+        2 (K and V) x num_layers x batch_size x seq_len x num_kv_heads x head_dim x bytes per element
+
+    It scales with ``num_kv_heads``, not with the number of query heads: that is the point of
+    MQA and GQA. :attr:`KVCache.nbytes` is this figure for a real buffer.
+    """
+    for name, value in (
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("num_layers", num_layers),
+    ):
+        check_positive_int(name, value)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * batch_size * seq_len * num_kv_heads * head_dim * itemsize
+
+
+def compare_kv_cache_memory(
+    *,
+    d_model: int,
+    num_heads: int,
+    kv_heads: tuple[int, ...] | None = None,
+    batch_size: int = 1,
+    seq_len: int = 4096,
+    num_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> list[dict[str, object]]:
+    """KV-cache size of MHA, GQA and MQA for one model shape, one row per ``num_kv_heads``.
+
+    ``kv_heads`` defaults to every divisor of ``num_heads``, from ``num_heads`` (MHA) down to
+    1 (MQA). Each row: ``name``, ``num_kv_heads``, ``bytes``, ``mib``, and ``fraction`` (of
+    the MHA cache, i.e. ``num_kv_heads / num_heads``).
+    """
+    d_model, num_heads = check_positive_int("d_model", d_model), check_positive_int("num_heads", num_heads)
+    if d_model % num_heads != 0:
+        raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+    head_dim = d_model // num_heads
+    if kv_heads is None:
+        kv_heads = tuple(h for h in range(num_heads, 0, -1) if num_heads % h == 0)
+    full = kv_cache_bytes(
+        batch_size=batch_size, seq_len=seq_len, num_kv_heads=num_heads, head_dim=head_dim,
+        num_layers=num_layers, dtype=dtype,
+    )
+    rows = []
+    for count in kv_heads:
+        count = check_positive_int("num_kv_heads", count)
+        if num_heads % count != 0:
+            raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={count}")
+        name = "MHA" if count == num_heads else "MQA" if count == 1 else f"GQA-{count}"
+        size = kv_cache_bytes(
+            batch_size=batch_size, seq_len=seq_len, num_kv_heads=count, head_dim=head_dim,
+            num_layers=num_layers, dtype=dtype,
+        )
+        rows.append({"name": name, "num_kv_heads": count, "bytes": size, "mib": size / 2**20, "fraction": size / full})
+    return rows

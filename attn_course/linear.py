@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_positive_int, check_qkv, check_tensor, shape_str
+from ._checks import check_key_mask, check_positive_int, check_qkv, check_tensor, shape_str
 
 __all__ = [
     "elu_feature_map",
@@ -171,14 +171,10 @@ def _prepare(q, k, v, mask, *, is_causal):
             f"length: q is {shape_str(q.shape)}, k is {shape_str(k.shape)}"
         )
     if mask is not None:
-        if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-2] == L != 1:
-            raise ValueError(
-                f"linear attention takes a key-padding mask of shape (..., 1, S), got {shape_str(mask.shape)}: it never "
-                "forms the (L, S) matrix an arbitrary mask would act on. Use padding_mask(lengths)[:, None, None, :]."
-            )
-        mask = check_mask(mask, (*batch_shape, 1, S), device=q.device)
-        if mask.dtype != torch.bool:
-            raise TypeError(f"linear attention takes a boolean key mask (True = real token), got dtype {mask.dtype}")
+        mask = check_key_mask(
+            mask, batch_shape, L=L, S=S, device=q.device, who="linear attention",
+            why="it never forms the (L, S) matrix a per-query mask would act on",
+        )  # (..., 1, S)
     return L, S, mask
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "causal_mask",
     "padding_mask",
     "combine_masks",
+    "with_causal",
     "mask_to_bias",
     "from_blocked_mask",
     "to_blocked_mask",
@@ -103,6 +104,22 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
             ) from None
         result = result & mask
     return result
+
+
+def with_causal(
+    mask: torch.Tensor | None, L: int, S: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``mask`` with the top-left causal mask ``causal_mask(L, S)`` applied too: what ``is_causal=True`` adds.
+
+    A boolean mask (True = may attend) is ANDed with it; an additive float mask gets ``-inf``
+    at future keys; ``None`` gives the causal mask alone. The result broadcasts to ``(..., L, S)``.
+    """
+    causal = causal_mask(L, S, device=device)  # (L, S)
+    if mask is None:
+        return causal
+    if mask.dtype == torch.bool:
+        return mask & causal  # (..., L, S)
+    return mask.masked_fill(~causal, float("-inf"))  # (..., L, S), additive: future set to -inf
 
 
 def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

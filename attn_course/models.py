@@ -1,25 +1,24 @@
-"""Small models for the lesson demos, and a probe that shows which tokens an output reads.
+"""Small models for the lesson demos.
 
 * ``TinyAttentionModel``: token + position embeddings, a few pre-norm blocks of
   ``attn_course.MultiHeadAttention`` (optionally with an MLP), and a linear read-out at every
   position. Small enough to train in seconds on a laptop CPU; ``attention_maps`` returns every
   layer's per-head weights for the head explorer. Trained in lesson 02 (multi-head attention).
-* ``token_influence``: perturb one input position at a time and record which output positions
-  change -- the "token-mixing test" of lesson 02 (it catches heads merged without the
-  transpose) and the future-leak test of lesson 03 (a causal model's matrix is lower-triangular).
+* ``token_influence`` (the probe of lessons 02, 03 and 09) lives with the other diagnostics in
+  ``attn_course.diagnostics``; it is re-exported here, where the lessons import it from.
 
 Shape legend: B batch, H heads, L length, E model dim (``d_model``), C classes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from ._checks import shape_str
+from ._checks import check_int, check_positive_int, shape_str
+from .diagnostics import token_influence  # re-exported: lessons 02, 03 and 11 import it from here
 from .multihead import MultiHeadAttention
 
 __all__ = ["TinyAttentionConfig", "TinyAttentionModel", "token_influence"]
@@ -52,11 +51,8 @@ class TinyAttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_classes", "max_len", "d_model", "num_heads", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, int) or self.mlp_ratio < 0:
-            raise ValueError(f"mlp_ratio must be an int >= 0, got {self.mlp_ratio!r}")
+            check_positive_int(name, getattr(self, name))
+        check_int("mlp_ratio", self.mlp_ratio, minimum=0)
 
 
 class _Block(nn.Module):
@@ -143,50 +139,3 @@ class TinyAttentionModel(nn.Module):
             return self._run(tokens, need_weights=True)[1]
         finally:
             self.train(was_training)
-
-
-@torch.no_grad()
-def token_influence(
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """How much each output position moves when one input position changes: ``(L_out, L_in)``.
-
-    For each input position ``j``, ``x[:, j]`` is changed in every example -- float inputs
-    ``(B, L, ...)`` get ``scale`` times one fixed (seeded) random vector added, integer token
-    ids ``(B, L)`` become ``(id + 1) % vocab_size`` -- and ``fn`` runs again. Entry ``[i, j]``
-    is the largest absolute change of output position ``i`` (``fn`` returns
-    ``(B, L_out, ...)``) over examples and features.
-
-    Read ``token_influence(fn, x) > 1e-6`` as "row i reads from columns j": a causal layer
-    gives a lower-triangular matrix, a layer that mixes tokens a full one, and one that mixes
-    nothing across tokens (e.g. a per-position MLP) the diagonal.
-    """
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        got = shape_str(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a tensor (B, L, ...) with the sequence on dim 1, got {got}")
-    floating = x.dtype.is_floating_point
-    if not floating and vocab_size is None:
-        raise ValueError("x holds token ids: pass vocab_size so a token can be changed to another valid id")
-    base = fn(x)
-    if not isinstance(base, torch.Tensor) or base.dim() < 2 or base.shape[0] != x.shape[0]:
-        got = shape_str(base.shape) if isinstance(base, torch.Tensor) else type(base).__name__
-        raise ValueError(f"fn must return a tensor (B, L_out, ...) with B = {x.shape[0]}, got {got}")
-    generator = torch.Generator().manual_seed(0)
-    direction = None
-    if floating:
-        direction = torch.randn(x.shape[2:], generator=generator, dtype=x.dtype).to(x.device) * scale  # (...)
-    columns = []
-    for j in range(x.shape[1]):
-        changed = x.clone()
-        if floating:
-            changed[:, j] += direction
-        else:
-            changed[:, j] = (changed[:, j] + 1) % vocab_size
-        moved = (fn(changed) - base).abs()  # (B, L_out, ...)
-        moved = moved.reshape(moved.shape[0], moved.shape[1], -1)  # (B, L_out, features)
-        columns.append(moved.amax(dim=(0, 2)))  # (L_out,)
-    return torch.stack(columns, dim=1)  # (L_out, L_in)

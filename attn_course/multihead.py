@@ -8,6 +8,12 @@ E model dim (``d_model`` = H * D).
     value (B, S, E) -> v_proj -> (B, S, E) -> split heads -> (B, H, S, D)
     attention per head -> (B, H, L, D) -> merge heads -> (B, L, E) -> out_proj -> (B, L, E)
 
+The middle step, ``attend``, is the one method a variant overrides: grouped-query attention
+(``attn_course.grouped``) attends with fewer key/value heads, dynamic head weighting
+(``attn_course.dynamic``) rescales each head's output, relative positions
+(``attn_course.positional``) add a position term to the scores. The projections, the head
+split and merge, the input checks and ``forward``'s contract stay here, written once.
+
 Mask convention: bool, True = may attend, broadcastable to ``(B, H, L, S)`` -- e.g. a
 causal ``(L, S)`` mask or a padding mask ``(B, 1, 1, S)``. This is the opposite of
 ``nn.MultiheadAttention`` (True = blocked); see ``attn_course.from_blocked_mask``.
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str
+from ._checks import check_positive_int, check_tensor, shape_str
 from .attention import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "split_heads", "merge_heads"]
@@ -51,6 +57,9 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (Vaswani et al., 2017), batch-first.
 
+    ``forward`` runs project -> split -> :meth:`attend` -> merge -> project; subclasses change
+    the attention itself by overriding :meth:`attend` (see the module docstring).
+
     Args:
         d_model: model dim E (size of each query token).
         num_heads: number of heads H; must divide ``d_model``. Each head has
@@ -78,9 +87,8 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("d_model", d_model)
+        check_positive_int("num_heads", num_heads)
         if d_model % num_heads != 0:
             divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise ValueError(
@@ -93,6 +101,7 @@ class MultiHeadAttention(nn.Module):
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
+        self.num_kv_heads = num_heads  # key/value heads: one per query head (GroupedQueryAttention has fewer)
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
         self.dropout = dropout
@@ -122,38 +131,59 @@ class MultiHeadAttention(nn.Module):
         Returns ``out`` ``(B, L, E)``, or ``(out, weights)`` with per-head weights
         ``(B, H, L, S)`` when ``need_weights`` is True.
         """
-        key = query if key is None else key
-        value = key if value is None else value
-        self._check_inputs(query, key, value)
-        B, L, _ = query.shape
-        S = key.shape[1]
+        key, value = self._check_inputs(query, key, value, mask)
+        return self._project_attend_merge(query, key, value, need_weights=need_weights, mask=mask, is_causal=is_causal)
 
+    def _project_attend_merge(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, need_weights: bool, **attend_options
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline every variant shares: project -> split heads -> attend -> merge heads -> project.
+
+        ``attend_options`` (the mask, ``is_causal``, and whatever a subclass's :meth:`attend`
+        takes) are passed to :meth:`attend` untouched.
+        """
         q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
-        k = split_heads(self.k_proj(key), self.num_heads)  # (B, H, S, D)
-        v = split_heads(self.v_proj(value), self.num_heads)  # (B, H, S, D)
-        if mask is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == (B, S) and B != L:
-            raise ValueError(
-                f"mask has shape (B, S) = {shape_str(mask.shape)}, which does not broadcast to (B, H, L, S) "
-                f"= {shape_str((B, self.num_heads, L, S))}: for a padding mask use mask[:, None, None, :]"
-            )
-        attended = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            fused=None if self.fused else False,
-        )
-        if need_weights:
-            context, weights = attended  # (B, H, L, D), (B, H, L, S)
-        else:
-            context, weights = attended, None  # (B, H, L, D)
+        k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, S, D)
+        v = split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, S, D)
+        context, weights = self.attend(q, k, v, need_weights=need_weights, **attend_options)  # (B, H, L, D)
         out = self.out_proj(merge_heads(context))  # (B, L, E)
         return (out, weights) if need_weights else out
 
-    def _check_inputs(self, query: object, key: object, value: object) -> None:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention step, per head: q ``(B, H, L, D)``, k and v ``(B, Hkv, S, D)`` -> ``(context, weights)``.
+
+        ``context`` is ``(B, H, L, D)``; ``weights`` ``(B, H, L, S)`` when ``need_weights``, else
+        None. Here: ``scaled_dot_product_attention`` per head, with this module's attention
+        dropout (in training mode) and its ``fused`` choice. Override it to change how the heads
+        attend; ``forward`` then needs no change.
+        """
+        attended = scaled_dot_product_attention(
+            q, k, v, mask, is_causal=is_causal, need_weights=need_weights, **self._kernel_options()
+        )
+        return attended if need_weights else (attended, None)  # (B, H, L, D), (B, H, L, S) or None
+
+    def _kernel_options(self) -> dict[str, object]:
+        """The attention kernel's ``dropout_p`` (active in training mode only) and ``fused`` choice."""
+        return {"dropout_p": self.dropout if self.training else 0.0, "fused": None if self.fused else False}
+
+    def _check_inputs(
+        self, query: object, key: object | None = None, value: object | None = None, mask: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check query, key and value (key defaults to query, value to key) and a mask's layout.
+
+        Returns ``(key, value)`` with the defaults filled in.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
         for name, x, features in (("query", query, self.d_model), ("key", key, self.kdim), ("value", value, self.vdim)):
             x = check_tensor(name, x, min_dim=1)
             if x.dim() != 3:
@@ -187,6 +217,13 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"key and value must have the same length S: key {shape_str(key.shape)}, value {shape_str(value.shape)}"
             )
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == (B, S) and B != L:
+            raise ValueError(
+                f"mask has shape (B, S) = {shape_str(mask.shape)}, which does not broadcast to (B, H, L, S) "
+                f"= {shape_str((B, self.num_heads, L, S))}: for a padding mask use mask[:, None, None, :]"
+            )
+        return key, value
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:

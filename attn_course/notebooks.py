@@ -8,6 +8,8 @@
   when it was created, so the notebook reads right where widgets do not render (GitHub).
 * ``measure_runtimes(paths)``: executes them the same way without writing anything, and
   returns the wall time of each run (kernel start included).
+* ``write_course_map(runtimes)``: rewrites the course-map cell of ``00_welcome`` from measured
+  runtimes (the cell's text is ``attn_course.course.course_map_markdown``).
 
 Used by ``attn-course make-exercises``, ``attn-course regenerate`` and ``attn-course runtimes``.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import nbformat
 
-from .course import project_root
+from .course import COURSE_MAP_HEADING, Runtimes, course_map_markdown, project_root
 
 __all__ = [
     "strip_solutions",
@@ -32,6 +34,7 @@ __all__ = [
     "measure_runtimes",
     "final_progress_text",
     "exercise_is_current",
+    "write_course_map",
 ]
 
 BEGIN = "### BEGIN SOLUTION"
@@ -148,3 +151,19 @@ def regenerate(paths: list[Path], *, timeout: int = 600) -> list[tuple[Path, flo
 def measure_runtimes(paths: list[Path], *, timeout: int = 600) -> list[tuple[Path, float]]:
     """Execute each notebook in a fresh kernel without saving it; return the wall time of each run in s."""
     return [(path, _execute(path, timeout=timeout)[1]) for path in paths]
+
+
+def write_course_map(runtimes: Runtimes, *, root: Path | None = None) -> Path:
+    """Rewrite the course-map cell of ``notebooks/00_welcome.ipynb`` for ``runtimes``; return the path.
+
+    The cell is the markdown cell starting with ``COURSE_MAP_HEADING``; nothing else changes
+    (re-execute 00 afterwards: its checked cell reads the runtimes file).
+    """
+    path = (root or project_root()) / "notebooks" / "00_welcome.ipynb"
+    welcome = nbformat.read(path, as_version=4)
+    cells = [c for c in welcome.cells if c.cell_type == "markdown" and c.source.startswith(COURSE_MAP_HEADING)]
+    if len(cells) != 1:
+        raise ValueError(f"{path} must have one markdown cell starting with {COURSE_MAP_HEADING!r}, found {len(cells)}")
+    cells[0].source = course_map_markdown(runtimes)
+    _write(welcome, path)
+    return path

@@ -12,6 +12,16 @@ way. Four ways to tell it where each token sits:
 * **rotary** (Su et al., 2021, RoPE) -- rotate each pair of query/key features by an angle
   proportional to the position, so that ``q_m . k_n`` depends on ``m - n`` only.
 
+**Precision.** Positions and angles are always computed in float64 (float32 on MPS, which has
+no float64) and only the finished table, or the rotated features, are cast to the inputs'
+dtype. Position 3000 does not even exist in float16 or bfloat16 (their integers are exact only
+up to 2048 and 256), and an angle ``p * theta`` of a few thousand radians keeps only two or
+three correct bits there: computed in the inputs' dtype, the table and the rotation at such
+positions would be noise (an error of about 2 on values in [-1, 1]). Float32 angles are not
+enough either at long positions: the angle 8192 is only known to 2^-11 in float32, so its sine
+is off by about 5e-4, which is ~4000 float32 roundings. The tests hold every dtype to its own
+rounding against a float64 reference, up to position 8192.
+
 Shape legend: B batch, H heads, L query length, S key length, D head dim, E model dim.
 
 Taught in lessons 09 (learned positions in the ViT), 10 (relative positions in the
@@ -25,9 +35,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ._checks import check_tensor, shape_str
-from .attention import scaled_dot_product_attention
-from .multihead import MultiHeadAttention, merge_heads, split_heads
+from ._checks import check_mask, check_positive_int, check_tensor, shape_str
+from .multihead import MultiHeadAttention, split_heads
 
 __all__ = [
     "sinusoidal_encoding",
@@ -42,17 +51,35 @@ __all__ = [
 ]
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _check_even(name: str, value: int) -> int:
-    _check_positive_int(name, value)
+    check_positive_int(name, value)
     if value % 2:
         raise ValueError(f"{name} must be even (features come in sine/cosine pairs), got {value}")
     return value
+
+
+def _angle_dtype(device: torch.device) -> torch.dtype:
+    """The dtype positions and angles are computed in: float64, or float32 where there is no float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _angles(positions: torch.Tensor, dim: int, *, base: float) -> torch.Tensor:
+    """``p * base^(-2i / dim)`` for every position and pair ``i``: ``(...) -> (..., dim/2)``, in float64.
+
+    Integer positions are converted exactly; the result stays in float64 (float32 on MPS) so
+    that callers take sine and cosine before rounding to a lower precision.
+    """
+    dtype = _angle_dtype(positions.device)
+    exponents = torch.arange(0, dim, 2, dtype=dtype, device=positions.device) / dim  # (dim/2,)
+    frequencies = base**-exponents  # (dim/2,), from 1 down to ~1/base
+    return positions.to(dtype)[..., None] * frequencies  # (..., dim/2)
+
+
+def _check_positions(positions: object) -> torch.Tensor:
+    positions = check_tensor("positions", positions, min_dim=0, floating=False)
+    if positions.dtype == torch.bool:
+        raise TypeError("positions must hold integers (or floats), got dtype torch.bool")
+    return positions
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,28 +87,35 @@ def _check_even(name: str, value: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def sinusoidal_encoding(positions: torch.Tensor, d_model: int, *, base: float = 10000.0) -> torch.Tensor:
+def sinusoidal_encoding(
+    positions: torch.Tensor, d_model: int, *, base: float = 10000.0, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The sinusoidal table of Vaswani et al. (2017) at arbitrary (even negative) ``positions``.
 
         PE[p, 2i]   = sin(p / base^(2i / d_model))
         PE[p, 2i+1] = cos(p / base^(2i / d_model))
 
-    ``positions`` has any shape ``(...)`` (integer or float); the result is ``(..., d_model)``
-    in ``positions``' float dtype (float32 for integer positions).
+    ``positions`` has any shape ``(...)``; pass integers (a float16 position above 2048 is
+    already rounded before it gets here). The table is computed in float64 and returned as
+    ``(..., d_model)`` in ``dtype`` -- by default ``positions``' float dtype, or PyTorch's
+    default dtype for integer positions.
     """
-    positions = check_tensor("positions", positions, min_dim=0, floating=False)
+    positions = _check_positions(positions)
     d_model = _check_even("d_model", d_model)
-    dtype = positions.dtype if positions.dtype.is_floating_point else torch.get_default_dtype()
-    positions = positions.to(dtype)
-    exponents = torch.arange(0, d_model, 2, dtype=dtype, device=positions.device) / d_model  # (E/2,)
-    frequencies = base**-exponents  # (E/2,), from 1 down to ~1/base
-    angles = positions[..., None] * frequencies  # (..., E/2)
+    if dtype is None:
+        dtype = positions.dtype if positions.dtype.is_floating_point else torch.get_default_dtype()
+    angles = _angles(positions, d_model, base=base)  # (..., E/2), float64
     table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (..., E/2, 2)
-    return table.flatten(-2)  # (..., E), sin and cos interleaved
+    return table.flatten(-2).to(dtype)  # (..., E), sin and cos interleaved, rounded once
 
 
 class SinusoidalPositionalEncoding(nn.Module):
-    """Adds the fixed sinusoidal table to ``x`` ``(B, L, E)``; no parameters, any length."""
+    """Adds the fixed sinusoidal table to ``x`` ``(B, L, E)``; no parameters, any length.
+
+    The table is built from integer positions in float64 and cast to ``x.dtype``, so a float16
+    or bfloat16 model gets the table to its own precision at every position (see the module
+    docstring for what building it in ``x.dtype`` would cost).
+    """
 
     def __init__(self, d_model: int, *, base: float = 10000.0) -> None:
         super().__init__()
@@ -95,8 +129,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         x = check_tensor("x", x, min_dim=3)
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (B, L, E={self.d_model}), got shape {shape_str(x.shape)}")
-        positions = torch.arange(x.shape[1], device=x.device, dtype=x.dtype)  # (L,)
-        return x + sinusoidal_encoding(positions, self.d_model, base=self.base)  # (B, L, E)
+        positions = torch.arange(x.shape[1], device=x.device)  # (L,), int64: exact at any length
+        return x + sinusoidal_encoding(positions, self.d_model, base=self.base, dtype=x.dtype)  # (B, L, E)
 
 
 class LearnedPositionalEmbedding(nn.Module):
@@ -115,8 +149,8 @@ class LearnedPositionalEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.max_len = _check_positive_int("max_len", max_len)
-        self.d_model = _check_positive_int("d_model", d_model)
+        self.max_len = check_positive_int("max_len", max_len)
+        self.d_model = check_positive_int("d_model", d_model)
         self.weight = nn.Parameter(torch.empty(max_len, d_model, device=device, dtype=dtype))
         nn.init.trunc_normal_(self.weight, std=0.02)
 
@@ -142,7 +176,7 @@ def relative_positions(length: int, *, device: torch.device | str | None = None,
 
     Column ``c`` of the position scores holds offset ``L - 1 - c``.
     """
-    length = _check_positive_int("length", length)
+    length = check_positive_int("length", length)
     return torch.arange(length - 1, -length, -1, device=device, dtype=dtype)  # (2L-1,)
 
 
@@ -177,9 +211,9 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
                       * scale
 
     The position term is computed for the ``2L - 1`` offsets, mapped to ``(L, L)`` with
-    :func:`rel_shift`, and handed to the package's ``scaled_dot_product_attention`` as an
-    additive bias (with ``-inf`` where ``mask`` forbids). Reuses ``MultiHeadAttention``'s
-    projections, head split/merge and input checks.
+    :func:`rel_shift`, and handed to ``MultiHeadAttention``'s attention step as an additive
+    bias (with ``-inf`` where ``mask`` forbids): only :meth:`attend` is overridden; the
+    projections, head split/merge and input checks are ``MultiHeadAttention``'s.
 
     Args:
         d_model, num_heads, dropout, bias, device, dtype: as for ``MultiHeadAttention``.
@@ -211,10 +245,8 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
     def position_scores(self, q: torch.Tensor) -> torch.Tensor:
         """The position term ``(q_i + v) . W_r R[i - j]``, unscaled: q ``(B, H, L, D)`` -> ``(B, H, L, L)``."""
         L = q.shape[-2]
-        # Offsets beyond 256 are not exact in bfloat16: build the table in float32 at least.
-        exact = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        offsets = relative_positions(L, device=q.device, dtype=exact)  # (2L-1,)
-        table = sinusoidal_encoding(offsets, self.d_model, base=self.base).to(self.pos_proj.weight.dtype)  # (2L-1, E)
+        offsets = relative_positions(L, device=q.device)  # (2L-1,), int64: exact at any length
+        table = sinusoidal_encoding(offsets, self.d_model, base=self.base, dtype=self.pos_proj.weight.dtype)  # (2L-1, E)
         r = split_heads(self.pos_proj(table)[None], self.num_heads)[0].to(q.dtype)  # (H, 2L-1, D)
         q_v = q + self.pos_bias_v[:, None, :].to(q.dtype)  # (B, H, L, D)
         by_offset = torch.matmul(q_v, r.transpose(-2, -1))  # (B, H, L, 2L-1)
@@ -233,38 +265,30 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
         ``(B, S)`` needs ``[:, None, None, :]``). Returns ``out`` ``(B, L, E)``, or
         ``(out, weights)`` with weights ``(B, H, L, L)``.
         """
-        self._check_inputs(x, x, x)
-        q = split_heads(self.q_proj(x), self.num_heads)  # (B, H, L, D)
-        k = split_heads(self.k_proj(x), self.num_heads)  # (B, H, L, D)
-        v = split_heads(self.v_proj(x), self.num_heads)  # (B, H, L, D)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        bias = self.position_scores(q) * scale  # (B, H, L, L)
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"mask must be a bool tensor (True = may attend), got {got}")
+        self._check_inputs(x, x, x, mask)
+        return self._project_attend_merge(x, x, x, need_weights=need_weights, mask=mask)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        mask: torch.Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``MultiHeadAttention``'s attention step with the two position terms of Transformer-XL.
+
+        The position term :meth:`position_scores` (scaled) becomes an additive bias, ``-inf``
+        where the bool ``mask`` forbids; ``u`` is added to the queries for the content term.
+        q, k, v ``(B, H, L, D)`` -> ``(context (B, H, L, D), weights (B, H, L, L) or None)``.
+        """
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"relative positions need self-attention: q {shape_str(q.shape)}, k {shape_str(k.shape)}")
+        bias = self.position_scores(q) * (1.0 / math.sqrt(self.head_dim))  # (B, H, L, L), scaled like the scores
         if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-                got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-                raise TypeError(f"mask must be a bool tensor (True = may attend), got {got}")
-            try:
-                torch.broadcast_shapes(mask.shape, bias.shape)
-            except RuntimeError:
-                raise ValueError(
-                    f"mask of shape {shape_str(mask.shape)} does not broadcast to (B, H, L, L) = "
-                    f"{shape_str(bias.shape)}; a (B, S) padding mask needs mask[:, None, None, :]"
-                ) from None
+            mask = check_mask(mask, bias.shape, device=q.device)  # bool, broadcastable to (B, H, L, L)
             bias = bias.masked_fill(~mask, float("-inf"))  # (B, H, L, L)
-        q_u = q + self.pos_bias_u[:, None, :].to(q.dtype)  # (B, H, L, D)
-        attended = scaled_dot_product_attention(
-            q_u,
-            k,
-            v,
-            bias,
-            scale=scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            fused=None if self.fused else False,
-        )
-        context, weights = attended if need_weights else (attended, None)  # (B, H, L, D)
-        out = self.out_proj(merge_heads(context))  # (B, L, E)
-        return (out, weights) if need_weights else out
+        q_u = q + self.pos_bias_u[:, None, :].to(q.dtype)  # (B, H, L, D), the content term's query
+        return super().attend(q_u, k, v, mask=bias, is_causal=is_causal, need_weights=need_weights)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,19 +297,29 @@ class RelativePositionMultiHeadAttention(MultiHeadAttention):
 
 
 def rotary_angles(positions: torch.Tensor, head_dim: int, *, base: float = 10000.0) -> torch.Tensor:
-    """Rotation angles ``theta_i * p`` with ``theta_i = base^(-2i / D)``: ``(...) -> (..., D/2)``."""
-    positions = check_tensor("positions", positions, min_dim=0, floating=False)
+    """Rotation angles ``theta_i * p`` with ``theta_i = base^(-2i / D)``: ``(...) -> (..., D/2)``.
+
+    Computed in float64 and returned in ``positions``' float dtype (PyTorch's default dtype for
+    integer positions). For plotting and lessons: :func:`apply_rotary` does not go through these
+    rounded angles (a float32 angle near 8192 is only known to 2^-11), it takes the cosine and
+    sine of the float64 angles.
+    """
+    positions = _check_positions(positions)
     head_dim = _check_even("head_dim", head_dim)
     dtype = positions.dtype if positions.dtype.is_floating_point else torch.get_default_dtype()
-    exponents = torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim  # (D/2,)
-    return positions.to(dtype)[..., None] * base**-exponents  # (..., D/2)
+    return _angles(positions, head_dim, base=base).to(dtype)  # (..., D/2)
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, *, base: float = 10000.0) -> torch.Tensor:
     """Rotate feature pairs ``(x[2i], x[2i+1])`` of ``x`` ``(..., L, D)`` by ``theta_i * position``.
 
-    ``positions`` is ``(L,)`` (or broadcastable to ``x.shape[:-1]``). This is RoFormer's
-    interleaved pairing (Su et al., 2021); some libraries pair ``x[i]`` with ``x[i + D/2]``
+    ``positions`` is ``(L,)`` (or broadcastable to ``x.shape[:-1]``), integers preferably. The
+    angles, their cosines and sines are computed in float64 (float32 on MPS) and the rotation in
+    float32 for float16 / bfloat16 ``x`` (in ``x.dtype`` otherwise); only the result is rounded to
+    ``x.dtype``. Computing the angles in ``x.dtype`` instead is wrong at long positions: in
+    bfloat16 position 1000 is already rounded to 1000 +- 4 and its angles to several radians.
+
+    This is RoFormer's interleaved pairing (Su et al., 2021); some libraries pair ``x[i]`` with ``x[i + D/2]``
     instead, which is the same idea with the features permuted. Because a rotation by
     ``a`` followed by the inverse of a rotation by ``b`` is a rotation by ``a - b``,
     ``apply_rotary(q, m) . apply_rotary(k, n)`` depends on ``m - n`` only.
@@ -294,19 +328,20 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, *, base: float = 1000
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"the last dim D of x must be even for rotary pairs, got shape {shape_str(x.shape)}")
-    positions = check_tensor("positions", positions, min_dim=0, floating=False)
-    angles = rotary_angles(positions.to(device=x.device, dtype=x.dtype), D, base=base)  # (..., L, D/2)
+    positions = _check_positions(positions)
+    angles = _angles(positions.to(x.device), D, base=base)  # (..., L, D/2), float64 (float32 on MPS)
     try:
         torch.broadcast_shapes(angles.shape[:-1], x.shape[:-1])
     except RuntimeError:
         raise ValueError(
             f"positions of shape {shape_str(positions.shape)} do not broadcast to x's (..., L) = {shape_str(x.shape[:-1])}"
         ) from None
-    cos, sin = angles.cos(), angles.sin()  # (..., L, D/2) each
-    pairs = x.unflatten(-1, (D // 2, 2))  # (..., L, D/2, 2)
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    cos, sin = angles.cos().to(compute), angles.sin().to(compute)  # (..., L, D/2) each
+    pairs = x.to(compute).unflatten(-1, (D // 2, 2))  # (..., L, D/2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]  # (..., L, D/2) each
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)  # (..., L, D/2, 2)
-    return rotated.flatten(-2)  # (..., L, D)
+    return rotated.flatten(-2).to(x.dtype)  # (..., L, D), rounded once
 
 
 class RotaryEmbedding(nn.Module):

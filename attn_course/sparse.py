@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_positive_int, check_qkv, shape_str
+from ._checks import check_int, check_key_mask, check_positive_int, check_qkv, shape_str
 from .attention import scaled_dot_product_attention
 from .chunked import PartialAttention, finish_partial, merge_partials, partial_attention
 
@@ -58,10 +58,7 @@ def _check_pattern(pattern: object, size: object, num_global: object) -> tuple[s
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     size = check_positive_int("size", size)
-    if isinstance(num_global, bool) or not isinstance(num_global, int):
-        raise TypeError(f"num_global must be an int, got {type(num_global).__name__} ({num_global!r})")
-    if num_global < 0:
-        raise ValueError(f"num_global must be >= 0, got {num_global}")
+    num_global = check_int("num_global", num_global, minimum=0)
     return pattern, size, num_global
 
 
@@ -96,20 +93,6 @@ def pattern_mask(
     if is_causal:
         allowed = allowed & (offset >= 0)  # (L, L)
     return allowed
-
-
-def _check_key_mask(mask: object, batch_shape: torch.Size, length: int, *, device: torch.device) -> torch.Tensor:
-    """A key-padding mask broadcastable to ``(..., 1, L)``; full (L, L) masks are refused with a reason."""
-    if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-2] == length != 1:
-        raise ValueError(
-            f"sparse attention takes a key-padding mask of shape (..., 1, L), got {shape_str(mask.shape)}: "
-            "the pattern already says which queries see which keys. Use padding_mask(lengths)[:, None, None, :] "
-            "-> (B, 1, 1, L), or pass pattern_mask(...) & your mask to scaled_dot_product_attention."
-        )
-    mask = check_mask(mask, (*batch_shape, 1, length), device=device)
-    if mask.dtype != torch.bool:
-        raise TypeError(f"sparse attention takes a boolean key mask (True = real token), got dtype {mask.dtype}")
-    return mask
 
 
 def _attend(q, k, v, allowed, *, scale) -> PartialAttention:
@@ -228,7 +211,11 @@ def sparse_attention(
         )
     pattern, size, num_global = _check_pattern(pattern, size, num_global)
     if mask is not None:
-        mask = _check_key_mask(mask, batch_shape, L, device=q.device)
+        mask = check_key_mask(
+            mask, batch_shape, L=L, S=S, device=q.device, who="sparse attention",
+            why="the pattern already says which queries see which keys. For a per-query mask, pass "
+            "pattern_mask(...) & your mask to scaled_dot_product_attention",
+        )  # (..., 1, L)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     num_global = min(num_global, L)

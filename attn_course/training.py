@@ -1,7 +1,8 @@
 """A small, readable training loop for the lessons' demos: batches, AdamW, a tqdm bar, a history.
 
-Every lesson that trains a model (02 heads, 08 debugging, 09 ViT, 10 Conformer, 11 dynamic
-heads) uses ``fit`` and ``accuracy`` from here, so the loop is written (and tested) once.
+Every lesson that trains a model -- lessons 02 (heads), 08 (debugging), 09 (ViT), 10 (Conformer)
+and 11 (dynamic heads) -- uses ``fit`` and ``accuracy`` from here, so the loop is written (and
+tested) once.
 """
 
 from __future__ import annotations
@@ -27,24 +28,41 @@ class History:
     seconds: float = 0.0
 
 
+#: A model's input: one tensor, or a tuple of tensors passed as ``model(*inputs)`` (e.g. features and lengths).
+Inputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _first(inputs: Inputs) -> torch.Tensor:
+    return inputs[0] if isinstance(inputs, tuple) else inputs
+
+
+def _take(inputs: Inputs, index: torch.Tensor | slice) -> Inputs:
+    return tuple(part[index] for part in inputs) if isinstance(inputs, tuple) else inputs[index]
+
+
+def _call(model: nn.Module, inputs: Inputs) -> torch.Tensor:
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
 def iterate_batches(
-    inputs: torch.Tensor,
+    inputs: Inputs,
     targets: torch.Tensor,
     *,
     batch_size: int,
     shuffle: bool = False,
     generator: torch.Generator | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(inputs[i:j], targets[i:j])`` mini-batches along the first dim."""
-    if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(f"inputs and targets must have the same length, got {inputs.shape[0]} and {targets.shape[0]}")
+) -> Iterator[tuple[Inputs, torch.Tensor]]:
+    """Yield ``(inputs[i:j], targets[i:j])`` mini-batches along the first dim (of every tensor of a tuple)."""
+    n = _first(inputs).shape[0]
+    if any(part.shape[0] != n for part in (inputs if isinstance(inputs, tuple) else ())) or targets.shape[0] != n:
+        raise ValueError(f"inputs and targets must have the same length, got {n} and {targets.shape[0]}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    n = inputs.shape[0]
-    order = torch.randperm(n, generator=generator).to(inputs.device) if shuffle else torch.arange(n, device=inputs.device)
+    device = _first(inputs).device
+    order = torch.randperm(n, generator=generator).to(device) if shuffle else torch.arange(n, device=device)
     for start in range(0, n, batch_size):
         index = order[start : start + batch_size]
-        yield inputs[index], targets[index]
+        yield _take(inputs, index), targets[index]
 
 
 def _default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -53,23 +71,24 @@ def _default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def predict(model: nn.Module, inputs: torch.Tensor, *, batch_size: int = 512) -> torch.Tensor:
+def predict(model: nn.Module, inputs: Inputs, *, batch_size: int = 512) -> torch.Tensor:
     """``argmax`` predictions of ``model`` over ``inputs``, in evaluation mode."""
     was_training = model.training
     model.eval()
-    predictions = [model(inputs[i : i + batch_size]).argmax(-1) for i in range(0, inputs.shape[0], batch_size)]
+    n = _first(inputs).shape[0]
+    predictions = [_call(model, _take(inputs, slice(i, i + batch_size))).argmax(-1) for i in range(0, n, batch_size)]
     model.train(was_training)
     return torch.cat(predictions)
 
 
-def accuracy(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, batch_size: int = 512) -> float:
+def accuracy(model: nn.Module, inputs: Inputs, targets: torch.Tensor, *, batch_size: int = 512) -> float:
     """Fraction of correct ``argmax`` predictions (over every position for sequence outputs)."""
     return (predict(model, inputs, batch_size=batch_size) == targets).float().mean().item()
 
 
 def fit(
     model: nn.Module,
-    inputs: torch.Tensor,
+    inputs: Inputs,
     targets: torch.Tensor,
     *,
     epochs: int,
@@ -89,14 +108,15 @@ def fit(
 
     A tqdm bar shows the epoch and the running loss, and one line at the end sums the run up
     (``progress=False`` silences both). ``eval_data`` = ``(inputs, targets)`` adds the
-    accuracy after every epoch. Shuffling uses its own generator seeded with ``seed``.
+    accuracy after every epoch. Shuffling uses its own generator seeded with ``seed``. ``inputs``
+    (and the inputs of ``eval_data``) may be a tuple of tensors, passed as ``model(*inputs)``.
     """
     import time
 
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    steps_per_epoch = math.ceil(inputs.shape[0] / batch_size)
+    steps_per_epoch = math.ceil(_first(inputs).shape[0] / batch_size)
     total_steps = epochs * steps_per_epoch
     base_lrs = [group["lr"] for group in optimizer.param_groups]
 
@@ -119,14 +139,14 @@ def fit(
         ):
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = base * lr_factor(step)
-            loss = loss_fn(model(batch_inputs), batch_targets)
+            loss = loss_fn(_call(model, batch_inputs), batch_targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
-            epoch_loss += loss.item() * batch_inputs.shape[0]
-            seen += batch_inputs.shape[0]
+            epoch_loss += loss.item() * batch_targets.shape[0]
+            seen += batch_targets.shape[0]
             step += 1
             bar.update(1)
         history.train_loss.append(epoch_loss / seen)

@@ -32,7 +32,7 @@ import ipywidgets as widgets
 import torch
 from matplotlib.figure import Figure
 
-from ._checks import shape_str
+from ._checks import check_int, check_positive_int, shape_str
 from .attention import scaled_dot_product_attention
 from .masks import causal_mask, combine_masks, padding_mask
 from .sparse import PATTERNS, pattern_mask
@@ -249,8 +249,7 @@ class ScaleExplorer(_Explorer):
         save_dir: str | Path = ".",
     ) -> None:
         self.length = _check_cap(length, what="length")
-        if isinstance(max_d_k, bool) or not isinstance(max_d_k, int) or max_d_k < 1:
-            raise ValueError(f"max_d_k must be a positive int, got {max_d_k!r}")
+        check_positive_int("max_d_k", max_d_k)
         self.d_k_options = [2**i for i in range(int(math.log2(max_d_k)) + 1)]
         generator = torch.Generator().manual_seed(seed)
         self.q = torch.randn(self.length, self.d_k_options[-1], generator=generator, dtype=torch.float64)  # (L, D)
@@ -323,13 +322,15 @@ class ScaleExplorer(_Explorer):
 class MaskExplorer(_Explorer):
     """Causal, padding and combined masks for one sequence, and the weights they leave.
 
-    ``valid_length`` real tokens are followed by padding up to ``length``. The padding mask
-    blocks padded *keys* (every query, padded or not, may still read the real tokens). With
-    ``valid_length = 0`` every row is fully masked: the library returns zero weights there.
+    ``valid_length`` real tokens are followed by padding up to ``length`` (or, for the kind
+    ``"causal + left padding"``, preceded by it). The padding mask blocks padded *keys* (every
+    query, padded or not, may still read the real tokens it is allowed to). With
+    ``valid_length = 0`` every row is fully masked, and with left padding under a causal mask
+    the padding queries are: the library returns zero weights there. Used in lesson 03.
     """
 
     name = "mask"
-    KINDS = ("none", "causal", "padding", "causal + padding")
+    KINDS = ("none", "causal", "padding", "causal + padding", "causal + left padding")
 
     def __init__(
         self,
@@ -376,6 +377,8 @@ class MaskExplorer(_Explorer):
         everything = torch.ones(length, length, dtype=torch.bool)  # (L, S)
         causal = causal_mask(length) if "causal" in kind else None  # (L, S)
         padding = padding_mask([valid_length], length) if "padding" in kind else None  # (1, S)
+        if "left padding" in kind:
+            padding = padding.flip(-1)  # (1, S): the real tokens are the last valid_length positions
         return combine_masks(everything, causal, padding)  # (L, S)
 
     def weights(self, *, kind: str, length: int, valid_length: int) -> torch.Tensor:
@@ -390,7 +393,8 @@ class MaskExplorer(_Explorer):
         mask = self.mask(kind=kind, length=length, valid_length=valid_length)
         weights = self.weights(kind=kind, length=length, valid_length=valid_length)
         empty = int((~mask.any(-1)).sum())
-        labels = [str(i) if i < valid_length else f"{i}·" for i in range(length)]
+        first_real = length - valid_length if "left padding" in kind else 0
+        labels = [str(i) if first_real <= i < first_real + valid_length else f"{i}·" for i in range(length)]
         fig = Figure(figsize=(9.5, 4.0), layout="constrained")
         left, right = fig.subplots(1, 2)
         plot_mask(mask, ax=left, query_labels=labels, key_labels=labels, title=f"{kind} mask: blue = may attend")
@@ -450,8 +454,7 @@ class PatternExplorer(_Explorer):
             raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
         _check_cap(length, what="length")
         _check_cap(size, what="size")
-        if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 0:
-            raise ValueError(f"num_global must be an int >= 0, got {num_global!r}")
+        check_int("num_global", num_global, minimum=0)
 
     def _sync_size_label(self, change: dict) -> None:
         self.size.description = self.SIZE_LABELS[change["new"]]

@@ -257,7 +257,10 @@ def test_a_notebook_past_its_time_limit_is_killed_and_keeps_its_finished_tasks(t
     start = time.perf_counter()
     result = batch.grade_notebook(path, task_ids=[TASK, other.id], timeout_s=20, cell_timeout_s=1, memory_mb=2048,
                                   sandbox=MODE)
-    assert time.perf_counter() - start < 50
+    elapsed = time.perf_counter() - start
+    # Killed at its 20 s limit, not left to the endless loop or waited for until the 600 s sleeper ends.
+    # Orderings that hold under any load (the old "< 50 s" failed when kernel start-up was slow).
+    assert 20 <= elapsed < 600 / 2, elapsed
     first, second = result.rows
     assert (first.task, first.status, first.score) == (TASK, "graded", 3.0)  # saved before the hang
     assert (second.task, second.status, second.score) == (other.id, "timeout", 0.0)

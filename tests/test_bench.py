@@ -114,10 +114,13 @@ def test_peak_memory_is_measured_in_a_child_process():
     chunked = measure_peak_memory("chunked", 2048, cfg)
     assert big["error"] is None and big["method"].startswith("child process peak RSS")
     scores = 2 * 2048 * 2048 * 4  # one (H, N, N) float32 matrix: 32 MiB
-    assert big["bytes"] > 1.5 * scores, big  # at least scores + weights really were resident
-    assert big["bytes"] > 20 * small["bytes"], (small, big)
+    # Figures measured here (MiB, stable over repeated runs): small 2.9, big 96.5, floor 0.0, chunked 3.9.
+    # Each bound below leaves a margin of 2x or more; none depends on time or machine load.
+    assert big["bytes"] > 1.5 * scores, big  # scores + weights really were resident (measured 3.0x)
+    # 8x the length: linear growth would be 8x; N^2 would be 64x, less small's fixed overhead (measured 34x).
+    assert big["bytes"] > 2 * 8 * small["bytes"], (small, big)
     assert floor["bytes"] < scores / 8, floor
-    assert chunked["bytes"] < big["bytes"] / 4, (chunked, big)
+    assert chunked["bytes"] < big["bytes"] / 4, (chunked, big)  # measured 1/25
 
 
 def test_config_validation():
@@ -144,26 +147,20 @@ def test_runs_on_device(device):
         assert all(p["peak_bytes"] is not None for p in results["points"])
 
 
-def figures_ok(path) -> bool:
-    figures = json.loads(path.read_text())
-    return figures["mha"]["ratio"] > 0 and figures["attention"]["points"] != []
-
-
 def test_command_prints_table_targets_json_and_plot(tmp_path, capsys):
-    """`attn-course bench all` = mha + attention (in-process: a subprocess would pay torch's import again)."""
+    """`attn-course bench attention` (in-process: a subprocess would pay torch's import again)."""
     from attn_course.cli import main
 
     out_json, out_png = tmp_path / "attention.json", tmp_path / "attention.png"
-    code = main(["bench", "all", "--lengths", "64", "128", "--heads", "2", "--head-dim", "8", "--rounds", "1",
-                 "--batch", "2", "--length", "16", "--d-model", "16",
+    code = main(["bench", "attention", "--lengths", "64", "128", "--heads", "2", "--head-dim", "8", "--rounds", "1",
                  "--no-memory", "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert code == 0
-    assert "ratio ours/torch" in printed and figures_ok(out_json)
     assert "GFLOP/s" in printed and "targets (ratios measured in this run)" in printed
     assert "linear time t(16384) / t(1024)" in printed and "block-local" in printed
+    assert "ratio ours/torch" not in printed  # that is `bench mha`'s
     figures = json.loads(out_json.read_text())
-    assert figures["attention"]["config"]["lengths"] == [64, 128]
+    assert figures["attention"]["config"]["lengths"] == [64, 128] and figures["attention"]["config"]["heads"] == 2
     assert {p["variant"] for p in figures["attention"]["points"]} == set(VARIANTS)
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 

@@ -130,12 +130,15 @@ def test_finite_and_accurate_with_logits_scaled_50x(gen, dtype):
     expected = dense(q, k, v)  # float64 oracle
     got = chunked_attention(q.to(dtype), k.to(dtype), v.to(dtype), query_chunk_size=32, key_chunk_size=17)
     assert got.dtype == dtype and torch.isfinite(got).all()
-    # the weights are nearly one-hot; low precision rounds the inputs, so compare loosely there
-    tol = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.3}[dtype]
-    torch.testing.assert_close(got.double(), dense(q.to(dtype).double(), k.to(dtype).double(), v.to(dtype).double()),
-                               atol=tol, rtol=0)
+    # Against the float64 oracle of the same (rounded) inputs. Low precision: computed in float32, rounded
+    # once, so within one rounding step at the largest output (eps * max|out|); measured 0.27 (fp16) and
+    # 0.26 (bf16) of it. float32: scores in the thousands amplify float32's rounding; measured 9.8e-6,
+    # so 5e-5. Was 1e-3 (fp32), 0.1 (fp16), 0.3 (bf16).
+    rounded = dense(q.to(dtype).double(), k.to(dtype).double(), v.to(dtype).double())
+    tol = 5e-5 if dtype == torch.float32 else torch.finfo(dtype).eps * rounded.abs().max().item()
+    torch.testing.assert_close(got.double(), rounded, atol=tol, rtol=0)
     if dtype == torch.float32:
-        torch.testing.assert_close(got.double(), expected, atol=1e-3, rtol=0)
+        torch.testing.assert_close(got.double(), expected, atol=5e-5, rtol=0)  # measured 1.2e-5
 
 
 def test_under_autocast_matches_float32(gen):

@@ -9,6 +9,7 @@ import torch
 
 from attn_course.data.audio import (
     DTMF_KEYS,
+    DTMF_TASK,
     SAMPLE_RATE,
     dtmf_tone,
     hz_to_mel,
@@ -137,14 +138,58 @@ def test_dataset_labels_are_the_last_key_and_deterministic():
     assert make_dtmf_dataset(24, seed=4).sequences != data.sequences
     one, waves = make_dtmf_dataset(2, seed=0, presses=(1, 1), return_waveforms=True)
     assert waves.shape == (2, SAMPLE_RATE) and all(len(s) == 1 for s in one.sequences)
+    assert data.lengths.tolist() == [51] * 24 and all(len(t) == len(s) for t, s in zip(data.times, data.sequences))
 
 
-def test_split_is_standardised_with_training_statistics():
-    split = make_dtmf_split(num_train=40, num_test=20, seed=0)
-    assert abs(split.train.features.mean().item()) < 1e-4
-    assert abs(split.train.features.std().item() - 1) < 1e-4
-    assert split.train.sequences != split.test.sequences[: len(split.train.sequences)]
-    assert split.test.features.shape == (20, 51, 24)
+def test_clips_of_different_lengths_are_padded_with_zero_frames():
+    data, waves = make_dtmf_dataset(12, seed=1, clip_seconds=(0.8, 1.2), presses=(2, 2), gap_seconds=(0.3, 0.4),
+                                    return_waveforms=True)
+    assert data.features.shape == (12, 61, 24) and waves.shape == (12, int(1.2 * SAMPLE_RATE))
+    assert len(set(data.lengths.tolist())) > 1 and data.lengths.min() >= 0.8 * SAMPLE_RATE // 160 + 1
+    for n, length in enumerate(data.lengths.tolist()):
+        samples = int(waves[n].nonzero().max()) + 1  # the clip's noise runs to its last sample
+        assert length == samples // 160 + 1, "a clip gets as many frames as it would alone"
+        assert (data.features[n, length:] == 0).all() and (data.features[n, :length] != 0).all()
+        # Frames whose window lies inside the clip equal the clip's own spectrogram.
+        alone = log_mel_spectrogram(waves[n, :samples], n_mels=24, hop_length=160, n_fft=256)  # (length, 24)
+        inside = (samples - 128) // 160 + 1  # frames t with t * 160 + 128 <= samples
+        torch.testing.assert_close(data.features[n, 1:inside], alone[1:inside])
+
+
+def test_press_times_are_where_the_tones_are():
+    data, waves = make_dtmf_dataset(6, seed=2, snr_db=(30.0, 30.0), return_waveforms=True, **{
+        k: v for k, v in DTMF_TASK.items() if k != "snr_db"})
+    for keys, times, wave in zip(data.sequences, data.times, waves.double()):
+        assert len(times) == len(keys) == 2
+        (start1, end1), (start2, end2) = times
+        assert 0 <= start1 < end1 < start2 < end2 <= 1.2
+        assert 0.06 <= end1 - start1 <= 0.12 + 1e-3 and 0.32 <= start2 - end1 <= 0.45 + 1e-3
+        found = "".join(_dominant_key(wave[int(a * SAMPLE_RATE) : int(b * SAMPLE_RATE)]) for a, b in times)
+        assert found == keys
+
+
+def test_lesson_task_keeps_presses_farther_apart_than_its_convolutions_see():
+    data = make_dtmf_dataset(200, seed=3, **DTMF_TASK)
+    gaps = [second[0] - first[1] for first, second in data.times]
+    assert min(gaps) >= 0.32 and max(gaps) <= 0.45 + 1e-3
+    assert data.features.shape[1] == 61 and 41 <= data.lengths.min() and data.lengths.max() <= 61
+    assert all(len(keys) == 2 for keys in data.sequences)
+    with pytest.raises(ValueError, match="clip_seconds"):
+        make_dtmf_dataset(2, clip_seconds=(1.2, 0.8))
+
+
+def test_split_is_standardised_with_training_statistics_over_real_frames():
+    split = make_dtmf_split(num_train=40, num_val=10, num_test=20, seed=0, **DTMF_TASK)
+    real = torch.arange(61)[None, :] < split.train.lengths[:, None]  # (N, T)
+    assert abs(split.train.features[real].mean().item()) < 1e-4
+    assert abs(split.train.features[real].std().item() - 1) < 1e-4
+    for part in (split.train, split.val, split.test):
+        keep = torch.arange(61)[None, :] < part.lengths[:, None]
+        assert (part.features[~keep] == 0).all()
+    assert len({split.train.sequences[:10], split.val.sequences, split.test.sequences[:10]}) == 3
+    assert split.test.features.shape == (20, 61, 24) and split.val.features.shape == (10, 61, 24)
+    fixed = make_dtmf_split(num_train=40, num_val=5, num_test=20, seed=0)
+    assert abs(fixed.train.features.mean().item()) < 1e-4 and fixed.test.features.shape == (20, 51, 24)
 
 
 def test_spectrogram_options_reach_the_features():

@@ -56,8 +56,12 @@ def test_sdpa_bad_inputs(args, kwargs, error, pattern):
 def test_mha_constructor_errors():
     with pytest.raises(ValueError, match=r"d_model=10 is not divisible by num_heads=3.*one of \[1, 2, 5, 10\]"):
         ac.MultiHeadAttention(10, 3)
-    with pytest.raises(ValueError, match=r"num_heads must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"num_heads must be >= 1, got 0"):
         ac.MultiHeadAttention(8, 0)
+    with pytest.raises(TypeError, match=r"num_heads must be an int, got float \(2.0\)"):
+        ac.MultiHeadAttention(8, 2.0)  # one validator everywhere: not an int is a TypeError
+    with pytest.raises(TypeError, match=r"d_model must be an int, got bool"):
+        ac.MultiHeadAttention(True, 1)
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
         ac.MultiHeadAttention(8, 2, dropout=1.5)
 

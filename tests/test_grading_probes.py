@@ -249,14 +249,18 @@ def test_task_settings_are_validated():
 
 
 def test_the_batch_runner_records_the_probes_in_its_saved_outcomes(tmp_path: Path):
-    """The child's _grade_task passes the task's probe settings; the parent reads them back."""
+    """The child's _grade_task passes the task's probe settings; the parent reads them back (validated)."""
+    from attn_course.grading import batch
+
     task = TASKS["06.linear_attention"]
 
     class Shell:  # what _grade_task reads from IPython's shell
         user_ns = {"linear_attention": task.wrong["the quadratic form phi(Q) phi(K)^T"].fn}
 
-    runner._grade_task(Shell(), task, task.make_cases(), tmp_path, call_timeout_s=20)
-    record = torch.load(tmp_path / f"{task.id}.pt", weights_only=True)
+    name = runner.result_name(task.id)
+    (tmp_path / name).touch()  # the grader creates the result files before the child starts
+    runner._grade_task(Shell(), task, task.make_cases(), runner._Results(tmp_path, [name]), call_timeout_s=20)
+    record = batch._load_record((tmp_path / name).read_bytes(), task)  # the parent's hostile-data checks
     outcomes = [Outcome.from_plain(o) for o in record["outcomes"]]
     assert all("largest_numel" in o.probe and "flops" in o.probe and o.probe["forbidden_calls"] == [] for o in outcomes)
     checks = task.judge(task.make_cases(), outcomes)

@@ -37,9 +37,9 @@ def reference_forward(module, x, mask=None, *, is_causal=False):
     q = ac.split_heads(module.q_proj(x), module.num_heads)  # (B, H, L, D)
     k = ac.split_heads(module.k_proj(x), module.num_kv_heads)  # (B, Hkv, S, D)
     v = ac.split_heads(module.v_proj(x), module.num_kv_heads)
-    groups = module.num_heads // module.num_kv_heads
+    n_rep = module.num_heads // module.num_kv_heads
     out, weights = ac.scaled_dot_product_attention(
-        q, repeat_kv(k, groups), repeat_kv(v, groups), mask, is_causal=is_causal, need_weights=True
+        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, is_causal=is_causal, need_weights=True
     )
     return module.out_proj(ac.merge_heads(out)), weights
 
@@ -83,7 +83,7 @@ def test_function_equals_repeated_kv_with_gradients(gen, fused, mask_shape, is_c
 
 
 def test_head_order_matters(gen):
-    """Query head h reads K/V head h // G (repeat_interleave), not h % Hkv (repeat): the test can tell."""
+    """Query head h reads K/V head h // R (repeat_interleave), not h % Hkv (repeat): the test can tell."""
     q, k, v = randn(gen, 1, 4, 3, 4), randn(gen, 1, 2, 3, 4), randn(gen, 1, 2, 3, 4)
     got = grouped_attention(q, k, v)
     tiled = ac.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
@@ -141,7 +141,7 @@ def test_from_multihead_mean_pools_and_is_exact_for_equal_heads(gen):
 def test_constructor_and_input_errors(gen):
     with pytest.raises(ValueError, match=r"num_heads=8 is not divisible by num_kv_heads=3.*one of \[1, 2, 4, 8\]"):
         GroupedQueryAttention(32, 8, 3)
-    with pytest.raises(ValueError, match=r"num_kv_heads must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"num_kv_heads must be >= 1, got 0"):
         GroupedQueryAttention(32, 8, 0)
     with pytest.raises(ValueError, match=r"d_model=30 is not divisible by num_heads=8"):
         GroupedQueryAttention(30, 8, 2)
@@ -171,7 +171,7 @@ def test_kv_cache_bytes_and_comparison():
     assert rows[0]["bytes"] == 2 * 6 * 1 * 1024 * 8 * 64 * 2
     with pytest.raises(ValueError, match=r"num_heads=8 is not divisible by num_kv_heads=3"):
         compare_kv_cache_memory(d_model=512, num_heads=8, kv_heads=(3,))
-    with pytest.raises(ValueError, match=r"seq_len must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"seq_len must be >= 1, got 0"):
         kv_cache_bytes(batch_size=1, seq_len=0, num_kv_heads=1, head_dim=4)
 
 

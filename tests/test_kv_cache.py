@@ -107,7 +107,7 @@ def test_input_errors():
         decode_step(DynamicHeadAttention(16, 4, dtype=torch.float64), x, cache)
     with pytest.raises(TypeError, match=r"cache must be a KVCache, got dict"):
         decode_step(module, x, {})
-    with pytest.raises(ValueError, match=r"max_length must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"max_length must be >= 1, got 0"):
         KVCache(1, 2, 4, 0)
     with pytest.raises(TypeError, match=r"boolean mask"):
         with torch.no_grad():

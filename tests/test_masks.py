@@ -83,3 +83,13 @@ def test_fully_masked_rows_bool_and_float():
     assert ac.fully_masked_rows(mask).tolist() == [[False], [True]]
     bias = ac.mask_to_bias(mask)
     assert ac.fully_masked_rows(bias).tolist() == [[False], [True]]
+
+
+def test_with_causal_combines_bool_float_and_none_like_is_causal():
+    causal = torch.ones(3, 5, dtype=torch.bool).tril()  # top-left, written out
+    assert torch.equal(ac.with_causal(None, 3, 5), causal)
+    keep = torch.tensor([True, True, False, True, True])  # (S,) key mask
+    assert torch.equal(ac.with_causal(keep, 3, 5), keep & causal)
+    bias = torch.arange(5.0).expand(2, 3, 5)  # (B, L, S) additive
+    expected = torch.where(causal, bias, torch.tensor(float("-inf")))
+    assert torch.equal(ac.with_causal(bias, 3, 5), expected)

@@ -194,3 +194,49 @@ def test_autocast_accepts_low_precision_activations():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = mha(x, is_causal=True)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- one pipeline, one overridable step
+
+
+def test_variants_override_only_the_attention_step():
+    """GQA, dynamic heads and relative positions reuse MultiHeadAttention's pipeline; each overrides `attend`."""
+    from attn_course.dynamic import DynamicHeadAttention
+    from attn_course.grouped import GroupedQueryAttention
+    from attn_course.positional import RelativePositionMultiHeadAttention
+
+    for variant in (GroupedQueryAttention, DynamicHeadAttention, RelativePositionMultiHeadAttention):
+        assert variant._project_attend_merge is ac.MultiHeadAttention._project_attend_merge, variant
+        assert variant._check_inputs is ac.MultiHeadAttention._check_inputs, variant
+        assert variant.attend is not ac.MultiHeadAttention.attend, variant
+    assert GroupedQueryAttention.forward is ac.MultiHeadAttention.forward  # nothing to add before the pipeline
+
+
+class _DoubledQueries(ac.MultiHeadAttention):
+    """A learner's variant: attention with the queries doubled (i.e. softmax at temperature 1/2)."""
+
+    def attend(self, q, k, v, **options):
+        return super().attend(2 * q, k, v, **options)
+
+
+def test_overriding_attend_changes_what_forward_computes():
+    torch.manual_seed(0)
+    module = _DoubledQueries(16, 4, dtype=torch.float64)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    keep = ac.padding_mask([7, 4])[:, None, None, :]  # (B, 1, 1, S)
+    out, weights = module(x, mask=keep, is_causal=True, need_weights=True)
+    # Oracle: the same projections, heads attended by PyTorch's kernel at twice the usual scale.
+    q, k, v = (ac.split_heads(p(x), 4) for p in (module.q_proj, module.k_proj, module.v_proj))  # (B, H, L, D)
+    allowed = keep & ac.causal_mask(7)
+    context = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=2 / 2)  # D = 4
+    torch.testing.assert_close(out, module.out_proj(ac.merge_heads(context)), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(module(x, mask=keep, is_causal=True), out, atol=1e-12, rtol=1e-12)  # fused path too
+    plain = ac.MultiHeadAttention(16, 4, dtype=torch.float64)
+    plain.load_state_dict(module.state_dict())
+    assert (plain(x, mask=keep, is_causal=True) - out).abs().max() > 1e-3  # the override really is used
+    # Tools built on the step see the override: the KV cache refuses it, capture_attention reads its weights.
+    with pytest.raises(TypeError, match="overrides forward or attend"):
+        ac.decode_step(module, x, ac.KVCache.for_module(module, batch_size=2, max_length=7))
+    with ac.capture_attention(module) as captured:
+        module(x, mask=keep, is_causal=True)
+    torch.testing.assert_close(captured["(model)"], weights, atol=1e-12, rtol=1e-12)

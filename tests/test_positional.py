@@ -200,3 +200,70 @@ def test_rotary_module_rotates_queries_and_keys_with_offset(device):
         rope(torch.randn(1, 4, 6), k)
     with pytest.raises(ValueError, match="even"):
         apply_rotary(torch.randn(2, 5), torch.arange(2))
+
+
+# ---------------------------------------------------------------- low precision, long positions (issue 16)
+
+LONG = 8193  # positions 0 .. 8192
+
+
+def _reference_angles(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """float64 angles p * 10000^(-2i/dim), written out independently of the library."""
+    frequencies = torch.tensor([10000.0 ** (-2 * i / dim) for i in range(dim // 2)], dtype=torch.float64)
+    return positions.double()[:, None] * frequencies.to(positions.device)  # (L, dim/2)
+
+
+def _angle_error(device: torch.device) -> float:
+    """Extra error allowed where the library must compute angles in float32 (MPS has no float64)."""
+    return LONG * 2.0**-24 if device.type == "mps" else 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_sinusoidal_table_is_right_to_the_dtypes_rounding_up_to_position_8192(device, dtype):
+    """Before the fix the table was built in x.dtype: at L = 3000 the error was 2.0 (bf16) and 1.7 (fp16)."""
+    E = 64
+    out = SinusoidalPositionalEncoding(E)(torch.zeros(1, LONG, E, dtype=dtype, device=device))
+    assert out.dtype == dtype
+    angles = _reference_angles(torch.arange(LONG, device=device), E)
+    expected = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (L, E)
+    error = (out[0].double() - expected).abs().max().item()
+    # Rounding a value in [-1, 1] to the nearest float costs at most eps / 2. Measured (CPU): 0.25 eps
+    # in every dtype (2.98e-8 fp32, 2.44e-4 fp16, 1.95e-3 bf16); before the fix 1.7 (fp16), 2.0 (bf16).
+    assert error <= 0.5 * torch.finfo(dtype).eps + _angle_error(device), error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_rotary_is_right_to_the_dtypes_rounding_up_to_position_8192(device, dtype):
+    """Before the fix apply_rotary computed angles, cos and sin in x.dtype: errors of 0.7-5 (fp16/bf16) at 1000."""
+    gen = torch.Generator().manual_seed(0)
+    D = 64
+    x = torch.randn(2, LONG, D, generator=gen).to(device=device, dtype=dtype)  # (B, L, D)
+    positions = torch.arange(LONG, device=device)
+    got = apply_rotary(x, positions)
+    assert got.dtype == dtype
+    # float64 oracle: the same (already rounded) inputs times e^{i p theta}, as complex numbers.
+    pairs = torch.view_as_complex(x.double().unflatten(-1, (D // 2, 2)).contiguous())  # (B, L, D/2)
+    phase = torch.polar(torch.ones(LONG, D // 2, dtype=torch.float64, device=device), _reference_angles(positions, D))
+    expected = torch.view_as_real(pairs * phase)  # (B, L, D/2, 2)
+    error = (got.double().unflatten(-1, (D // 2, 2)) - expected).abs().amax(dim=-1)  # (B, L, D/2), per pair
+    eps = torch.finfo(dtype).eps
+    # Bound per pair, relative to its length (a rotation keeps it). Measured (CPU) max error / (eps |pair|):
+    # 1.17 in fp32 (rotation computed in fp32), 0.50 in fp16 and bf16 (computed in fp32, rounded once).
+    # Before the fix: absolute errors of 7e-4 (fp32), 4.3 (fp16), 7.7 (bf16) near position 8192.
+    factor = 2.0 if dtype == torch.float32 else 0.75
+    bound = (factor * eps + _angle_error(device)) * pairs.abs()
+    assert (error <= bound).all(), (error / pairs.abs()).max().item() / eps
+    # RotaryEmbedding rotates with the same positions, so it inherits the precision.
+    rope = RotaryEmbedding(D)
+    tail = x[:, -8:].unsqueeze(1)  # (B, 1, 8, D): positions 8185 .. 8192
+    rq, rk = rope(tail, tail, offset=LONG - 8)
+    assert torch.equal(rq, got[:, -8:].unsqueeze(1)) and torch.equal(rk, rq)
+
+
+def test_sinusoidal_encoding_keeps_its_dtype_rules():
+    assert sinusoidal_encoding(torch.arange(3), 4).dtype == torch.get_default_dtype()
+    assert sinusoidal_encoding(torch.arange(3, dtype=torch.float64), 4).dtype == torch.float64
+    assert sinusoidal_encoding(torch.arange(3), 4, dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert rotary_angles(torch.arange(3), 4).dtype == torch.get_default_dtype()
+    with pytest.raises(TypeError, match="positions must hold integers"):
+        apply_rotary(torch.randn(3, 4), torch.ones(3, dtype=torch.bool))

@@ -59,3 +59,30 @@ def test_fit_ends_with_a_summary_line_that_a_saved_notebook_can_show(capsys):
     )
     fit(_model(), x, y, epochs=1, progress=False)
     assert capsys.readouterr().out == ""
+
+
+def test_inputs_may_be_a_tuple_passed_as_model_arguments():
+    """(features, lengths) batches reach ``model(features, lengths)``, row for row, in fit, predict and accuracy."""
+
+    class LastReal(nn.Module):  # reads the feature of each row's last real position: needs its length
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(1, 2)
+
+        def forward(self, x, lengths):
+            return self.head(x[torch.arange(x.shape[0]), lengths - 1, None])
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 6, (256,), generator=gen)
+    x = torch.randn(256, 5, generator=gen)
+    y = (x[torch.arange(256), lengths - 1] > 0).long()
+    torch.manual_seed(0)
+    model = LastReal()
+    history = fit(model, (x, lengths), y, epochs=20, batch_size=32, lr=5e-2, eval_data=((x, lengths), y), progress=False)
+    assert history.eval_accuracy[-1] > 0.95
+    assert accuracy(model, (x, lengths), y) == history.eval_accuracy[-1]
+    batches = list(iterate_batches((x, lengths), y, batch_size=100, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    for (bx, bl), by in batches:
+        assert torch.equal(by, (bx[torch.arange(len(bx)), bl - 1] > 0).long())  # rows kept together
+    with pytest.raises(ValueError, match="same length"):
+        list(iterate_batches((x, lengths[:10]), y, batch_size=2))

@@ -190,6 +190,18 @@ def test_mask_explorer_weights_obey_the_mask():
     assert "6 fully-masked rows" in [ax for ax in explorer.figure.axes if ax.images][1].get_title()
 
 
+def test_mask_explorer_left_padding_empties_exactly_the_padding_queries():
+    explorer = MaskExplorer(kind="causal + left padding", length=6, valid_length=4)
+    mask = torch.as_tensor(_drawn(explorer, 0))  # (L, S): positions 0, 1 are padding, 2..5 real
+    real = torch.tensor([False, False, True, True, True, True])
+    torch.testing.assert_close(mask, ac.causal_mask(6) & real)
+    assert (~mask.any(-1)).tolist() == (~real).tolist(), "the empty rows are the padding queries"
+    assert mask[2].nonzero().flatten().tolist() == [2], "the first real query sees itself"
+    weights = torch.as_tensor(_drawn(explorer, 1))
+    assert (weights[:2] == 0).all() and torch.allclose(weights[2:].sum(-1), torch.ones(4, dtype=weights.dtype))
+    assert "2 fully-masked rows" in [ax for ax in explorer.figure.axes if ax.images][1].get_title()
+
+
 def test_mask_explorer_length_slider_resizes_and_clamps_real_tokens():
     explorer = MaskExplorer(kind="causal + padding", length=8, valid_length=6)
     explorer.length.value = 4

@@ -15,22 +15,24 @@ drawn from a ``torch.Generator`` (so a seed fixes everything). :func:`log_mel_sp
 turns waveforms into log-mel frames with ``torch.stft`` and a mel filterbank built here
 (:func:`mel_filterbank`, HTK's mel scale) -- no torchaudio, no download.
 
-The lesson-10 task (:func:`make_dtmf_dataset`): each one-second clip holds 2-4 key presses
-of the 12 keys ``1-9 * 0 #``; the label is the key pressed **last**. Which key is sounding
-at a given moment shows in a single frame; which one came last is a question of order, so the model
-needs position information (relative positions in attention, or the convolution module).
+The "last key" task (:func:`make_dtmf_dataset`): each clip holds a few presses of the 12 keys
+``1-9 * 0 #``; the label is the key pressed **last**. Which key is sounding at a given moment
+shows in a single frame; which one came last is a question of order. Lesson 10 uses
+:data:`DTMF_TASK`: two presses at least 0.32 s apart in clips of 0.8-1.2 s, padded to 1.2 s, so
+that a model has to relate frames farther apart than its convolutions see.
 
 Taught in lesson 10 (Conformer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_tensor, shape_str
+from .._checks import check_positive_int, check_tensor, shape_str
 
 __all__ = [
     "SAMPLE_RATE",
@@ -45,6 +47,7 @@ __all__ = [
     "mel_filterbank",
     "log_mel_spectrogram",
     "DTMFDataset",
+    "DTMF_TASK",
     "make_dtmf_dataset",
     "DTMFSplit",
     "make_dtmf_split",
@@ -87,12 +90,14 @@ def synthesize_clip(
     level_db: tuple[float, float] = (-20.0, 0.0),
     snr_db: tuple[float, float] = (0.0, 20.0),
     dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+    return_times: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, tuple[tuple[float, float], ...]]:
     """One noisy clip ``(clip_seconds * sample_rate,)`` in which ``keys`` are pressed in order.
 
     Every duration, the start time, the level and the SNR are drawn uniformly from their
     ranges with ``generator``. Each tone's level also varies by up to +-3 dB. The SNR
     compares the power of the tones (while sounding) to the power of the white noise.
+    With ``return_times`` also returns each press's ``(start, end)`` in seconds.
     """
     if not keys:
         raise ValueError("keys must hold at least one key")
@@ -113,14 +118,17 @@ def synthesize_clip(
     level = 10 ** (uniform(*level_db) / 20)  # peak amplitude of each sine
     clip = torch.zeros(num_samples, dtype=torch.float64)
     position = start
+    times = []
     for index, (key, length) in enumerate(zip(keys, tones)):
         amplitude = level * 10 ** (uniform(-3.0, 3.0) / 20)
         clip[position : position + length] = dtmf_tone(key, length, sample_rate=sample_rate, amplitude=amplitude, dtype=torch.float64)
+        times.append((position / sample_rate, (position + length) / sample_rate))
         position += length + (gaps[index] if index < len(gaps) else 0)
     tone_power = level**2  # two sines of peak `level`: 2 * level^2 / 2
     noise_std = math.sqrt(tone_power / 10 ** (uniform(*snr_db) / 10))
     noise = torch.randn(num_samples, generator=generator, dtype=torch.float64) * noise_std
-    return (clip + noise).to(dtype)
+    clip = (clip + noise).to(dtype)
+    return (clip, tuple(times)) if return_times else clip
 
 
 def hz_to_mel(hz: torch.Tensor | float) -> torch.Tensor:
@@ -201,14 +209,30 @@ class DTMFDataset:
     """Clips of the "last key" task.
 
     Attributes:
-        features: log-mel frames ``(N, T, n_mels)``.
+        features: log-mel frames ``(N, T, n_mels)``; frames past a clip's length are zero.
         labels: class index ``(N,)`` (int64) of the last key, in ``DTMF_KEYS`` order.
         sequences: the keys pressed in each clip, e.g. ``"4#1"`` (label ``'1'``).
+        lengths: real frames per clip ``(N,)`` (int64); all ``T`` when every clip has the same duration.
+        times: each press's ``(start, end)`` in seconds, per clip.
     """
 
     features: torch.Tensor
     labels: torch.Tensor
     sequences: tuple[str, ...]
+    lengths: torch.Tensor
+    times: tuple[tuple[tuple[float, float], ...], ...]
+
+
+#: Keyword arguments of :func:`make_dtmf_dataset` / :func:`make_dtmf_split` for lesson 10's task:
+#: two presses of 60-120 ms, 0.32-0.45 s apart (more than the 0.31 s of audio that lesson 10's
+#: convolutions see at once), clips of 0.8-1.2 s padded to 1.2 s (61 frames), SNR 10-30 dB.
+DTMF_TASK: dict[str, object] = {
+    "presses": (2, 2),
+    "clip_seconds": (0.8, 1.2),
+    "tone_seconds": (0.06, 0.12),
+    "gap_seconds": (0.32, 0.45),
+    "snr_db": (10.0, 30.0),
+}
 
 
 def make_dtmf_dataset(
@@ -216,6 +240,7 @@ def make_dtmf_dataset(
     *,
     seed: int = 0,
     presses: tuple[int, int] = (2, 4),
+    clip_seconds: float | tuple[float, float] = 1.0,
     n_mels: int = 24,
     n_fft: int = 256,
     hop_length: int = 160,
@@ -227,56 +252,80 @@ def make_dtmf_dataset(
     """``num_clips`` clips of ``presses[0]..presses[1]`` random keys; label = the key pressed last.
 
     The defaults give ``(N, 51, 24)`` features: 24 mel bands every 20 ms over one second.
+    ``clip_seconds`` = ``(low, high)`` draws each clip's duration uniformly: the clips are then
+    padded with silence to ``high`` seconds, ``lengths`` says how many frames are real
+    (``samples // hop_length + 1``, as for the clip alone) and the padded frames are zero.
     Deterministic for a given ``seed``. ``n_mels``, ``n_fft``, ``hop_length``, ``f_min`` and
     ``f_max`` go to :func:`log_mel_spectrogram`; ``clip_options`` to :func:`synthesize_clip`
     (durations, level, SNR). With ``return_waveforms`` also returns the clips ``(N, samples)``.
     """
-    if isinstance(num_clips, bool) or not isinstance(num_clips, int) or num_clips < 1:
-        raise ValueError(f"num_clips must be a positive int, got {num_clips!r}")
+    check_positive_int("num_clips", num_clips)
     if not 1 <= presses[0] <= presses[1]:
         raise ValueError(f"presses must be (low, high) with 1 <= low <= high, got {presses}")
+    low, high = (clip_seconds, clip_seconds) if isinstance(clip_seconds, (int, float)) else clip_seconds
+    if not 0 < low <= high:
+        raise ValueError(f"clip_seconds must be a positive float or (low, high) with 0 < low <= high, got {clip_seconds!r}")
+    sample_rate = int(clip_options.get("sample_rate", SAMPLE_RATE))  # type: ignore[call-overload]
+    total = int(round(high * sample_rate))
     generator = torch.Generator().manual_seed(seed)
-    clips, labels, sequences = [], [], []
-    for _ in range(num_clips):
+    waveforms = torch.zeros(num_clips, total)  # (N, samples), silence after each clip's end
+    labels, sequences, samples, times = [], [], [], []
+    for n in range(num_clips):
         count = int(torch.randint(presses[0], presses[1] + 1, (), generator=generator))
         indices = torch.randint(len(DTMF_KEYS), (count,), generator=generator).tolist()
         keys = "".join(DTMF_KEYS[i] for i in indices)
-        clips.append(synthesize_clip(keys, generator=generator, **clip_options))  # type: ignore[arg-type]
+        seconds = low if low == high else low + (high - low) * torch.rand((), generator=generator, dtype=torch.float64).item()
+        clip, pressed = synthesize_clip(keys, generator=generator, clip_seconds=seconds, return_times=True, **clip_options)  # type: ignore[arg-type]
+        waveforms[n, : clip.shape[0]] = clip
         labels.append(indices[-1])
         sequences.append(keys)
-    waveforms = torch.stack(clips)  # (N, samples)
-    sample_rate = int(clip_options.get("sample_rate", SAMPLE_RATE))  # type: ignore[call-overload]
+        samples.append(clip.shape[0])
+        times.append(pressed)
+    features = log_mel_spectrogram(
+        waveforms, sample_rate=sample_rate, n_mels=n_mels, n_fft=n_fft, hop_length=hop_length, f_min=f_min, f_max=f_max
+    )  # (N, T, n_mels)
+    lengths = torch.tensor(samples, dtype=torch.int64).div(hop_length, rounding_mode="floor") + 1  # (N,)
+    real = torch.arange(features.shape[1])[None, :] < lengths[:, None]  # (N, T), True = real frame
     dataset = DTMFDataset(
-        log_mel_spectrogram(
-            waveforms, sample_rate=sample_rate, n_mels=n_mels, n_fft=n_fft, hop_length=hop_length, f_min=f_min, f_max=f_max
-        ),  # (N, T, n_mels)
+        features.masked_fill(~real[:, :, None], 0.0),
         torch.tensor(labels, dtype=torch.int64),
         tuple(sequences),
+        lengths,
+        tuple(times),
     )
     return (dataset, waveforms) if return_waveforms else dataset
 
 
 @dataclass(frozen=True)
 class DTMFSplit:
-    """Train and test sets, features standardised with the training set's ``mean`` and ``std``."""
+    """Train, validation and test sets, standardised with the training set's ``mean`` and ``std``."""
 
     train: DTMFDataset
+    val: DTMFDataset
     test: DTMFDataset
     mean: float
     std: float
 
 
-def make_dtmf_split(*, num_train: int = 2000, num_test: int = 500, seed: int = 0, **options: object) -> DTMFSplit:
-    """Independent train and test sets (different seeds derived from ``seed``), standardised.
+def make_dtmf_split(
+    *, num_train: int = 2000, num_val: int = 500, num_test: int = 500, seed: int = 0, **options: object
+) -> DTMFSplit:
+    """Independent train, validation and test sets (different seeds derived from ``seed``), standardised.
 
-    ``options`` go to :func:`make_dtmf_dataset` (spectrogram and clip settings).
+    The mean and standard deviation come from the training set's real frames; padded frames stay
+    zero. ``options`` go to :func:`make_dtmf_dataset` (spectrogram and clip settings).
     """
-    train = make_dtmf_dataset(num_train, seed=2 * seed, **options)  # type: ignore[arg-type]
-    test = make_dtmf_dataset(num_test, seed=2 * seed + 1, **options)  # type: ignore[arg-type]
-    assert isinstance(train, DTMFDataset) and isinstance(test, DTMFDataset)
-    mean, std = train.features.mean().item(), train.features.std().item()
+    train, val, test = (
+        make_dtmf_dataset(num, seed=3 * seed + offset, **options)  # type: ignore[arg-type]
+        for offset, num in enumerate((num_train, num_val, num_test))
+    )
+    assert isinstance(train, DTMFDataset) and isinstance(val, DTMFDataset) and isinstance(test, DTMFDataset)
+    real = train.features[torch.arange(train.features.shape[1])[None, :] < train.lengths[:, None]]  # (frames, n_mels)
+    mean, std = real.mean().item(), real.std().item()
 
     def standardise(data: DTMFDataset) -> DTMFDataset:
-        return DTMFDataset((data.features - mean) / std, data.labels, data.sequences)
+        keep = torch.arange(data.features.shape[1])[None, :, None] < data.lengths[:, None, None]  # (N, T, 1)
+        features = ((data.features - mean) / std).masked_fill(~keep, 0.0)  # (N, T, n_mels)
+        return dataclasses.replace(data, features=features)
 
-    return DTMFSplit(standardise(train), standardise(test), mean, std)
+    return DTMFSplit(standardise(train), standardise(val), standardise(test), mean, std)

@@ -16,20 +16,13 @@ from collections.abc import Sequence
 
 import torch
 
+from .._checks import check_int
 from ..masks import padding_mask
 
 __all__ = ["lookback_task", "decode_lookback", "padded_batch", "token_labels", "PAD"]
 
 PAD = 0  # the padding id used by ``padded_batch``; real tokens are 1 .. vocab_size - 1
 _ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def lookback_task(
@@ -57,14 +50,14 @@ def lookback_task(
         ``(inputs, targets)``, both ``(num_sequences, length)`` long tensors; targets lie in
         ``[0, vocab_size ** len(offsets))``. Decode them with ``decode_lookback``.
     """
-    _check_int("num_sequences", num_sequences, minimum=1)
-    _check_int("length", length, minimum=1)
-    _check_int("vocab_size", vocab_size, minimum=2)
+    check_int("num_sequences", num_sequences, minimum=1)
+    check_int("length", length, minimum=1)
+    check_int("vocab_size", vocab_size, minimum=2)
     offsets = tuple(offsets)
     if not offsets:
         raise ValueError("offsets is empty: give at least one look-back step, e.g. (1, 3)")
     for k in offsets:
-        _check_int("each offset", k, minimum=1)
+        check_int("each offset", k, minimum=1)
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randint(0, vocab_size, (num_sequences, length), generator=generator)  # (N, L)
     positions = torch.arange(length)  # (L,)
@@ -77,8 +70,8 @@ def lookback_task(
 
 def decode_lookback(targets: torch.Tensor, *, vocab_size: int = 8, num_offsets: int = 2) -> torch.Tensor:
     """Undo the class code of ``lookback_task``: ``(...)`` -> ``(..., num_offsets)`` token ids."""
-    _check_int("vocab_size", vocab_size, minimum=2)
-    _check_int("num_offsets", num_offsets, minimum=1)
+    check_int("vocab_size", vocab_size, minimum=2)
+    check_int("num_offsets", num_offsets, minimum=1)
     digits = []
     rest = targets
     for _ in range(num_offsets):
@@ -101,7 +94,7 @@ def padded_batch(
     True at real tokens (this course's convention: True = may attend), built with
     ``attn_course.padding_mask``.
     """
-    _check_int("vocab_size", vocab_size, minimum=2)
+    check_int("vocab_size", vocab_size, minimum=2)
     keep = padding_mask(lengths, max_len)  # (B, S), validates lengths and max_len
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, vocab_size, keep.shape, generator=generator)  # (B, S)

@@ -1,4 +1,5 @@
-"""Graded tasks for lesson 01 (scaled dot-product attention): a stable softmax, then attention."""
+"""Graded tasks for lesson 01 (scaled dot-product attention): a stable softmax, attention, and the
+stretch task, additive (Bahdanau) attention."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
-__all__ = ["STABLE_SOFTMAX", "ATTENTION"]
+__all__ = ["STABLE_SOFTMAX", "ATTENTION", "ADDITIVE_ATTENTION"]
 
 _SHAPE_ERROR_HINTS = (
     ("must match the size", "two tensors do not line up. For a row-wise reduction keep the reduced axis "
@@ -43,16 +44,24 @@ def _softmax_cases() -> list[Case]:
     half = torch.tensor([[20.0, 10.0, 0.0, -10.0], [3.0, 2.0, 1.0, 0.0]], dtype=torch.float16)
     inf = float("-inf")
     with_inf = torch.tensor([[1.0, inf, 2.0, inf], [inf, inf, inf, inf], [0.5, 0.0, -0.5, 0.0]], dtype=torch.float64)
+    # A batch of masked score rows, as attention produces them: (B, L, S) with two empty rows.
+    masked = 4 * torch.randn(2, 3, 5, generator=gen, dtype=torch.float32)
+    masked[0, :, 3:] = inf  # padding: keys 3, 4 blocked everywhere in batch 0
+    masked[0, 1] = inf  # a query with nothing to attend to
+    masked[1, 2] = inf  # and another, in batch 1
+    masked[1, 0, 0] = 900.0  # a huge logit in a row that also has -inf entries
+    masked[1, 0, 1] = inf
     return [
         Case("small scores (3, 5), float64", (small,)),
         Case("batched scores (2, 3, 4, 4), float64", (batched,)),
         Case("huge logits (+-1000), float32", (huge,)),
         Case("logits up to 20, float16", (half,)),
         Case("rows with -inf, one entirely -inf, float64", (with_inf,)),
+        Case("masked scores (2, 3, 5): two rows entirely -inf, one logit of 900, float32", (masked,)),
     ]
 
 
-_SMALL, _BATCHED, _HUGE, _HALF, _WITH_INF = range(5)
+_SMALL, _BATCHED, _HUGE, _HALF, _WITH_INF, _MASKED = range(6)
 
 
 def _exp_minus_row_max(x: torch.Tensor) -> torch.Tensor:
@@ -134,25 +143,30 @@ def _judge_softmax(cases, outcomes):
                 raise Fail(f"{case.name}: {_diagnose_non_finite(got, x)}")
             expect_close(got, stable_softmax(x.double()), what=case.name, atol=atol, rtol=1e-3)
     with checklist.check("a row of all -inf (nothing to attend to) gives zeros, not NaN"):
-        case, outcome = cases[_WITH_INF], outcomes[_WITH_INF]
-        got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
-        (x,) = case.args
-        expect_shape(got, x.shape, what=case.name)
-        if torch.isnan(got[1]).any():
-            raise Fail(
-                f"{case.name}: row 1 is all -inf and you return NaN there. Its max is -inf, and -inf - (-inf) is NaN. "
-                "The course's convention: such a row gives zeros. Where the row max is not finite, subtract 0 "
-                "instead (torch.where(torch.isfinite(m), m, 0)); exp(-inf) = 0, so the row of exps is 0, and guard "
-                "the division (e.g. sum.clamp_min(tiny))."
+        for index, atol in ((_WITH_INF, 1e-9), (_MASKED, 1e-6)):
+            case, outcome = cases[index], outcomes[index]
+            got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
+            (x,) = case.args
+            expect_shape(got, x.shape, what=case.name)
+            empty = torch.isneginf(x).all(dim=-1)  # (...,): rows with nothing to attend to
+            if torch.isnan(got[empty]).any():
+                row = tuple(int(i) for i in empty.nonzero()[0])
+                raise Fail(
+                    f"{case.name}: row {row[0] if len(row) == 1 else row} is all -inf and you return NaN there. Its "
+                    "max is -inf, and -inf - (-inf) is NaN. The course's convention: such a row gives zeros. Where "
+                    "the row max is not finite, subtract 0 instead (torch.where(torch.isfinite(m), m, 0)); "
+                    "exp(-inf) = 0, so the row of exps is 0, and guard the division (e.g. sum.clamp_min(tiny))."
+                )
+            if not torch.isfinite(got).all():
+                raise Fail(f"{case.name}: {_diagnose_non_finite(got.masked_fill(empty[..., None], 0.0), x)}")
+            expect_close(
+                got,
+                stable_softmax(x.double()),
+                what=case.name,
+                atol=atol,
+                rtol=1e-7 if atol < 1e-6 else 1e-5,
+                hint="Entries that are -inf get weight exactly 0, and an all -inf row is all zeros.",
             )
-        expect_close(
-            got,
-            stable_softmax(x),
-            what=case.name,
-            atol=1e-9,
-            rtol=1e-7,
-            hint="Entries that are -inf get weight exactly 0, and an all -inf row is all zeros.",
-        )
     with checklist.check("leaves its input unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_SHAPE_ERROR_HINTS):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -160,7 +174,11 @@ def _judge_softmax(cases, outcomes):
 
 
 def _softmax_reference(scores):
-    return stable_softmax(scores)
+    # Written out: the task forbids calling a softmax implementation (the library's included).
+    row_max = scores.amax(dim=-1, keepdim=True)  # (..., 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty rows: shift by 0
+    exps = torch.exp(scores - row_max)  # (..., S), every exponent <= 0
+    return exps / exps.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
 
 
 def _softmax_no_max(scores):
@@ -197,6 +215,24 @@ def _softmax_nan_on_empty_rows(scores):
     return exps / exps.sum(dim=-1, keepdim=True)
 
 
+def _softmax_torch_nan_to_num(scores):
+    return torch.nan_to_num(torch.softmax(scores, dim=-1))  # right values, but PyTorch did the work
+
+
+def _softmax_torch(scores):
+    return torch.softmax(scores, dim=-1)
+
+
+def _softmax_course(scores):
+    import attn_course as ac
+
+    return ac.stable_softmax(scores)
+
+
+def _softmax_through_log_softmax(scores):
+    return torch.nan_to_num(torch.log_softmax(scores, dim=-1).exp())
+
+
 def _softmax_in_place(scores):
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -218,12 +254,24 @@ STABLE_SOFTMAX = Task(
         "exp without normalising": Wrong(_softmax_unnormalised, "without dividing by the row sum"),
         "divides by the sum of the raw scores": Wrong(_softmax_divides_by_raw_sum, "should sum to 1"),
         "max without keepdim=True": Wrong(_softmax_no_keepdim, "keepdim=True"),
-        "NaN on an all -inf row": Wrong(
-            _softmax_nan_on_empty_rows, "gives zeros",
-            one_case="only the -inf case has a row with nothing to attend to; on finite rows this softmax is right",
-        ),
+        "NaN on an all -inf row": Wrong(_softmax_nan_on_empty_rows, "gives zeros"),
         "overwrites its input in place": Wrong(_softmax_in_place, "in place", kind="contract"),
+        "calls torch.softmax (NaN on empty rows)": Wrong(_softmax_torch, "you called torch.softmax"),
+        "torch.softmax with nan_to_num": Wrong(_softmax_torch_nan_to_num, "you called torch.softmax", kind="algorithm"),
+        "calls attn_course.stable_softmax": Wrong(_softmax_course, "you called attn_course.stable_softmax", kind="algorithm"),
+        "exp of torch.log_softmax": Wrong(_softmax_through_log_softmax, "you called torch.log_softmax"),
     },
+    # The task is the softmax itself: PyTorch's softmax (by any route) and the course's are off limits.
+    forbidden=(
+        "attn_course.attention.stable_softmax",
+        "torch.softmax",
+        "torch.log_softmax",
+        "torch.nn.functional.softmax",
+        "torch.nn.functional.log_softmax",
+        "aten._softmax",
+        "aten._log_softmax",
+        "aten._safe_softmax",
+    ),
 )
 
 
@@ -244,14 +292,19 @@ def _attention_cases() -> list[Case]:
         ),
         Case("unbatched: q (3, 4), k (6, 4), v (6, 2), float64", (randn(3, 4), randn(6, 4), randn(6, 2))),
         Case(
-            "large scores (|q.k| ~ 1000): q, k, v (1, 6, 8), float32",
-            (randn(1, 6, 8, dtype=torch.float32, std=30.0), randn(1, 6, 8, dtype=torch.float32, std=30.0),
-             randn(1, 6, 8, dtype=torch.float32)),
+            "large scores (|q.k| ~ 1000): q (2, 6, 8), k, v (2, 5, 8), float32",
+            (randn(2, 6, 8, dtype=torch.float32, std=30.0), randn(2, 5, 8, dtype=torch.float32, std=30.0),
+             randn(2, 5, 8, dtype=torch.float32)),
+        ),
+        Case(
+            "large scores with heads: q (2, 2, 3, 16), k (2, 2, 4, 16), v (2, 2, 4, 3), float32",
+            (randn(2, 2, 3, 16, dtype=torch.float32, std=25.0), randn(2, 2, 4, 16, dtype=torch.float32, std=25.0),
+             randn(2, 2, 4, 3, dtype=torch.float32)),
         ),
     ]
 
 
-_SQUARE, _RECT, _UNBATCHED, _LARGE = range(4)
+_SQUARE, _RECT, _UNBATCHED, _LARGE, _LARGE_HEADS = range(5)
 
 
 def _diagnose_attention(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -319,18 +372,19 @@ def _judge_attention(cases, outcomes):
                 hint = _diagnose_attention(got, q, k, v) or _precision_hint(got, q)
                 expect_close(got, scaled_dot_product_attention(q, k, v), what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("large scores stay finite (float32)"):
-        case, outcome = cases[_LARGE], outcomes[_LARGE]
-        q, k, v = case.args
-        got = returned(outcome, what=case.name, hints=_ATTENTION_ERROR_HINTS)
-        expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
-        if not torch.isfinite(got).all():
-            raise Fail(
-                f"{case.name}: your output contains NaN/inf. Scores of about 1000 make exp() overflow; use a softmax "
-                "that subtracts the row max first (your stable_softmax, or torch.softmax)."
-            )
-        expected = scaled_dot_product_attention(q.double(), k.double(), v.double())
-        hint = _diagnose_attention(got, q, k, v) or ""
-        expect_close(got, expected, what=case.name, atol=1e-4, rtol=1e-4, hint=hint)
+        for index in (_LARGE, _LARGE_HEADS):
+            case, outcome = cases[index], outcomes[index]
+            q, k, v = case.args
+            got = returned(outcome, what=case.name, hints=_ATTENTION_ERROR_HINTS)
+            expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
+            if not torch.isfinite(got).all():
+                raise Fail(
+                    f"{case.name}: your output contains NaN/inf. Scores in the hundreds make exp() overflow; use a "
+                    "softmax that subtracts the row max first (your stable_softmax, or torch.softmax)."
+                )
+            expected = scaled_dot_product_attention(q.double(), k.double(), v.double())
+            hint = _diagnose_attention(got, q, k, v) or ""
+            expect_close(got, expected, what=case.name, atol=1e-4, rtol=1e-4, hint=hint)
     with checklist.check("leaves q, k and v unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_ATTENTION_ERROR_HINTS):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -413,11 +467,8 @@ ATTENTION = Task(
             _attention_k_transposed_first_axes, "transpose only the last two axes"
         ),
         "returns the weights instead of the output": Wrong(_attention_returns_weights, "weights @ v"),
-        "softmax without max subtraction": Wrong(
-            _attention_naive_softmax, "overflow",
-            one_case="exp() overflows only in the large-scores case; on ordinary scores the naive softmax is exact",
-        ),
-        "scales q in place": Wrong(_attention_scales_q_in_place, "in place", kind="contract"),
+        "softmax without max subtraction": Wrong(_attention_naive_softmax, "overflow"),
+        "scales q in place": Wrong(_attention_scales_q_in_place, "in place"),
         "delegates to F.scaled_dot_product_attention": Wrong(
             _attention_delegates_to_torch, "you called torch.nn.functional.scaled_dot_product_attention", kind="algorithm"
         ),
@@ -434,4 +485,199 @@ ATTENTION = Task(
         *probes.TORCH_ATTENTION,
         *probes.TORCH_MULTIHEAD,
     ),
+)
+
+
+# --- 01.additive_attention (stretch) ------------------------------------------------------------
+# The learner writes additive (Bahdanau) attention: score(q_i, k_j) = w . tanh(W_q q_i + W_k k_j),
+# then the softmax over the keys and the weighted sum of the values, as in lesson 01:
+# q (..., L, Dq), k (..., S, Dk), v (..., S, Dv); w_q (A, Dq), w_k (A, Dk), w (A,) -> (..., L, Dv).
+# Queries and keys need not have the same size: each is projected to A features first.
+
+
+def _additive_cases() -> list[Case]:
+    randn = seeded_randn(104)
+
+    def weights(A, Dq, Dk, *, dtype=torch.float64, std=1.0):
+        return (randn(A, Dq, dtype=dtype) / math.sqrt(Dq), randn(A, Dk, dtype=dtype) / math.sqrt(Dk),
+                randn(A, dtype=dtype, std=std))
+
+    return [
+        Case("batched, Dq=5 != Dk=3, L=4 != S=6, A=7: q (2, 4, 5), k (2, 6, 3), v (2, 6, 2), float64",
+             (randn(2, 4, 5), randn(2, 6, 3), randn(2, 6, 2), *weights(7, 5, 3))),
+        Case("heads, Dq = Dk = 5, A=6: q (2, 3, 4, 5), k (2, 3, 7, 5), v (2, 3, 7, 4), float64",
+             (randn(2, 3, 4, 5), randn(2, 3, 7, 5), randn(2, 3, 7, 4), *weights(6, 5, 5))),
+        Case("unbatched, Dq=4, Dk=6, A=8: q (3, 4), k (5, 6), v (5, 3), float64",
+             (randn(3, 4), randn(5, 6), randn(5, 3), *weights(8, 4, 6))),
+        Case("large scores (|w| ~ 40, scores up to a few hundred): q (2, 3, 4), k (2, 5, 4), v (2, 5, 2), A=8, float32",
+             (randn(2, 3, 4, dtype=torch.float32), randn(2, 5, 4, dtype=torch.float32),
+              randn(2, 5, 2, dtype=torch.float32), *weights(8, 4, 4, dtype=torch.float32, std=40.0))),
+        Case("large scores, unbatched, Dq=3 != Dk=5: q (4, 3), k (6, 5), v (6, 2), A=12, float32",
+             (randn(4, 3, dtype=torch.float32), randn(6, 5, dtype=torch.float32),
+              randn(6, 2, dtype=torch.float32), *weights(12, 3, 5, dtype=torch.float32, std=40.0))),
+    ]
+
+
+_ADD_BATCHED, _ADD_HEADS, _ADD_UNBATCHED, _ADD_LARGE, _ADD_LARGE_UNBATCHED = range(5)
+
+
+def _additive_scores(q, k, w_q, w_k, w, *, squash=torch.tanh):
+    qa = q @ w_q.transpose(-2, -1)  # (..., L, A)
+    ka = k @ w_k.transpose(-2, -1)  # (..., S, A)
+    return squash(qa.unsqueeze(-2) + ka.unsqueeze(-3)) @ w  # (..., L, S, A) @ (A,) -> (..., L, S)
+
+
+def _additive_reference(q, k, v, w_q, w_k, w):
+    return stable_softmax(_additive_scores(q, k, w_q, w_k, w)) @ v  # (..., L, Dv)
+
+
+def _diagnose_additive(got, q, k, v, w_q, w_k, w) -> str | None:
+    A = w.shape[-1]
+    return first_match(
+        got,
+        [
+            (lambda: stable_softmax(_additive_scores(q, k, w_q, w_k, w, squash=lambda t: t)) @ v,
+             "without the tanh the score is w.(W_q q) + w.(W_k k): the query's part is the same for every key and "
+             "cancels in the softmax over the keys, so every query gets the same weights. Apply tanh to "
+             "W_q q + W_k k before projecting with w."),
+            (lambda: stable_softmax(_additive_scores(q, k, w_q, w_k, w), dim=-2) @ v,
+             "your weights sum to 1 over the queries (dim=-2): softmax over dim=-1, the keys."),
+            (lambda: stable_softmax(_additive_scores(q, k, w_q, w_k, w) / math.sqrt(A)) @ v,
+             f"you divided the scores by sqrt(A) = sqrt({A}): additive attention has no such scale (the tanh already "
+             "bounds each feature in [-1, 1]; w sets the size of the scores)."),
+            (lambda: stable_softmax(_additive_scores(q, k, w_q, w_k, torch.ones_like(w))) @ v,
+             "you summed the tanh features instead of projecting them with w: score = tanh(...) @ w."),
+            (lambda: scaled_dot_product_attention(q, k, v),
+             "this is scaled dot-product attention: the task asks for additive scores, "
+             "score(q_i, k_j) = w . tanh(W_q q_i + W_k k_j)."),
+        ],
+        atol=1e-9,
+        rtol=1e-7,
+    )
+
+
+_ADDITIVE_ERROR_HINTS = (
+    ("cannot be multiplied", "check the shapes step by step: w_q is (A, Dq) like an nn.Linear weight, so "
+     "q @ w_q.T is (..., L, A) and k @ w_k.T is (..., S, A); add them as (..., L, 1, A) + (..., 1, S, A) to get "
+     "(..., L, S, A), then @ w gives the (..., L, S) scores."),
+    ("must match the size", "check the shapes step by step: q @ w_q.T is (..., L, A) and k @ w_k.T is (..., S, A); "
+     "add them as (..., L, 1, A) + (..., 1, S, A) to get (..., L, S, A), then @ w gives the (..., L, S) scores."),
+    ("expected size", "check the shapes step by step: q @ w_q.T is (..., L, A) and k @ w_k.T is (..., S, A); "
+     "add them as (..., L, 1, A) + (..., 1, S, A) to get (..., L, S, A), then @ w gives the (..., L, S) scores."),
+)
+
+
+def _judge_additive(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
+        for case, _, got in answered(cases, outcomes, hints=_ADDITIVE_ERROR_HINTS):
+            q, k, v = case.args[:3]
+            expected_shape = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], v.shape[-1])
+            if tuple(got.shape) == (*expected_shape[:-1], k.shape[-2]) and k.shape[-2] != v.shape[-1]:
+                raise Fail(f"{case.name}: you returned a (..., L, S) tensor: the attention weights. The output is "
+                           "weights @ v, of shape (..., L, Dv).")
+            expect_shape(got, expected_shape, what=case.name, hint="Each query gets a weighted average of the values.")
+            expect_dtype(got, q.dtype, what=case.name)
+    sections = (
+        ("batched, queries and keys of different sizes (Dq != Dk, L != S)", (_ADD_BATCHED,)),
+        ("with heads, and unbatched", (_ADD_HEADS, _ADD_UNBATCHED)),
+    )
+    for title, indices in sections:
+        with checklist.check(title):
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                got = returned(outcome, what=case.name, hints=_ADDITIVE_ERROR_HINTS)
+                expected = _additive_reference(*case.args)
+                expect_shape(got, expected.shape, what=case.name)
+                hint = _diagnose_additive(got, *case.args) or _precision_hint(got, case.args[0])
+                expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+    with checklist.check("large scores stay finite (float32)"):
+        for index in (_ADD_LARGE, _ADD_LARGE_UNBATCHED):
+            case, outcome = cases[index], outcomes[index]
+            got = returned(outcome, what=case.name, hints=_ADDITIVE_ERROR_HINTS)
+            expected = _additive_reference(*(t.double() for t in case.args))
+            expect_shape(got, expected.shape, what=case.name)
+            if not torch.isfinite(got).all():
+                raise Fail(f"{case.name}: your output contains NaN/inf. These scores reach a few hundred and exp() "
+                           "overflows float32 beyond 88: use a softmax that subtracts the row max (your stable_softmax).")
+            expect_close(got, expected, what=case.name, atol=1e-4, rtol=1e-4,
+                         hint=_diagnose_additive(got, *case.args) or "")
+    with checklist.check("leaves its inputs unchanged"):
+        for case, outcome, _ in answered(cases, outcomes, hints=_ADDITIVE_ERROR_HINTS):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _additive_no_tanh(q, k, v, w_q, w_k, w):
+    return torch.softmax((q @ w_q.T).unsqueeze(-2) @ w + ((k @ w_k.T) @ w).unsqueeze(-2), dim=-1) @ v
+
+
+def _additive_softmax_over_queries(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q.T).unsqueeze(-2) + (k @ w_k.T).unsqueeze(-3)) @ w  # (..., L, S)
+    return torch.softmax(scores, dim=-2) @ v
+
+
+def _additive_untransposed(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q).unsqueeze(-2) + (k @ w_k).unsqueeze(-3)) @ w
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _additive_scaled(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q.T).unsqueeze(-2) + (k @ w_k.T).unsqueeze(-3)) @ w
+    return torch.softmax(scores / math.sqrt(w.shape[0]), dim=-1) @ v
+
+
+def _additive_summed_features(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q.T).unsqueeze(-2) + (k @ w_k.T).unsqueeze(-3)).sum(-1)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _additive_keys_and_queries_swapped(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q.T).unsqueeze(-3) + (k @ w_k.T).unsqueeze(-2)) @ w  # (..., S, L)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _additive_is_dot_product(q, k, v, w_q, w_k, w):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def _additive_naive_softmax(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q.T).unsqueeze(-2) + (k @ w_k.T).unsqueeze(-3)) @ w
+    exps = scores.exp()
+    return exps / exps.sum(dim=-1, keepdim=True) @ v
+
+
+def _additive_returns_weights(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q.T).unsqueeze(-2) + (k @ w_k.T).unsqueeze(-3)) @ w
+    return torch.softmax(scores, dim=-1)
+
+
+def _additive_centres_v_in_place(q, k, v, w_q, w_k, w):
+    scores = torch.tanh((q @ w_q.T).unsqueeze(-2) + (k @ w_k.T).unsqueeze(-3)) @ w
+    mean = v.mean(dim=-2, keepdim=True)
+    v -= mean  # weights sum to 1, so centring v and adding the mean back is harmless... to the result
+    out = torch.softmax(scores, dim=-1) @ v + mean
+    return out
+
+
+ADDITIVE_ATTENTION = Task(
+    id="01.additive_attention",
+    title="Additive (Bahdanau) attention",
+    function_name="additive_attention",
+    make_cases=_additive_cases,
+    judge=_judge_additive,
+    reference=_additive_reference,
+    stretch=True,
+    wrong={
+        "no tanh": Wrong(_additive_no_tanh, "the query's part is the same for every key"),
+        "softmax over the queries": Wrong(_additive_softmax_over_queries, "softmax over dim=-1"),
+        "weights not transposed (q @ w_q)": Wrong(_additive_untransposed, "like an nn.Linear weight"),
+        "divides by sqrt(A)": Wrong(_additive_scaled, "no such scale"),
+        "sums the tanh features instead of projecting with w": Wrong(_additive_summed_features, "projecting them with w"),
+        "queries and keys broadcast the wrong way round": Wrong(_additive_keys_and_queries_swapped, "(..., L, 1, A)"),
+        "dot-product attention instead": Wrong(_additive_is_dot_product, "is scaled dot-product attention"),
+        "softmax without max subtraction": Wrong(_additive_naive_softmax, "overflows"),
+        "returns the weights instead of the output": Wrong(_additive_returns_weights, "weights @ v"),
+        "centres v in place": Wrong(_additive_centres_v_in_place, "in place", kind="contract"),
+    },
 )

@@ -1,4 +1,18 @@
-"""Graded tasks for lesson 02 (multi-head attention): split heads, merge heads, the forward pass."""
+"""Graded tasks for lesson 02 (multi-head attention), in PyTorch's default sequence-first layout.
+
+Lesson 02 splits and merges heads for the batch-first layout ``(B, L, E)``; the exercise asks for
+the same operations on ``nn.MultiheadAttention``'s default layout, ``(L, B, E)``
+(``batch_first=False``), so the learner applies the idea instead of copying the lesson:
+
+* ``02.split_heads``: ``(L, B, E)`` -> ``(B, H, L, D)``;
+* ``02.merge_heads``: ``(B, H, L, D)`` -> ``(L, B, E)``;
+* ``02.mha_forward``: the whole forward pass on ``(L, B, E)`` from ``nn.MultiheadAttention``'s
+  parameters, equal to ``nn.MultiheadAttention(E, H)``;
+* ``02.prune_heads`` (stretch): the weights of the same layer without some heads, which the
+  lesson's "W^O is a sum over heads" makes possible.
+
+Shape legend: B batch, H heads, K heads kept, L length, D head dim, E model dim.
+"""
 
 from __future__ import annotations
 
@@ -12,27 +26,38 @@ from ...attention import scaled_dot_product_attention
 from ...multihead import MultiHeadAttention, merge_heads, split_heads
 from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned, softmax_over_queries
+from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
-__all__ = ["SPLIT_HEADS", "MERGE_HEADS", "MHA_FORWARD"]
+__all__ = ["SPLIT_HEADS", "MERGE_HEADS", "MHA_FORWARD", "PRUNE_HEADS"]
 
 _RESHAPE_ERROR_HINTS = (
     ("is invalid for input of size", "the sizes in your view/reshape do not multiply to the tensor's size. Use the "
      "num_heads argument (never a fixed number) and D = E // num_heads."),
-    ("view size is not compatible", "after a transpose the memory is no longer contiguous, so .view() cannot "
-     "flatten it: use .reshape() (copies when needed) or .contiguous().view()."),
+    ("view size is not compatible", "after a transpose or permute the memory is no longer contiguous, so .view() "
+     "cannot flatten it: use .reshape() (copies when needed) or .contiguous().view()."),
+)
+
+# The course's own head bookkeeping, batch-first: calling it is not writing it.
+_FORBIDDEN_SPLIT = ("attn_course.multihead.split_heads",)
+_FORBIDDEN_MERGE = ("attn_course.multihead.merge_heads",)
+# The whole layer, from PyTorch or from the course, by any route.
+_FORBIDDEN_LAYER = (
+    "torch.nn.MultiheadAttention",
+    "torch.nn.functional.multi_head_attention_forward",
+    "aten._native_multi_head_attention",
+    "attn_course.multihead.MultiHeadAttention",
 )
 
 
-# Token "codes": x[b, l, e] = 10000 b + 100 l + e, so any entry of the learner's result says
+# Token "codes": x[l, b, e] = 10000 b + 100 l + e, so any entry of the learner's result says
 # which batch element, token and feature it came from. Exact in float64 for our small sizes.
 
 
-def _token_codes(B: int, L: int, E: int) -> torch.Tensor:
-    b = torch.arange(B, dtype=torch.float64)[:, None, None]  # (B, 1, 1)
-    l = torch.arange(L, dtype=torch.float64)[None, :, None]  # (1, L, 1)
+def _token_codes(L: int, B: int, E: int) -> torch.Tensor:
+    l = torch.arange(L, dtype=torch.float64)[:, None, None]  # (L, 1, 1)
+    b = torch.arange(B, dtype=torch.float64)[None, :, None]  # (1, B, 1)
     e = torch.arange(E, dtype=torch.float64)[None, None, :]  # (1, 1, E)
-    return 10000 * b + 100 * l + e  # (B, L, E)
+    return 10000 * b + 100 * l + e  # (L, B, E)
 
 
 def _decode(code: float) -> str:
@@ -53,132 +78,175 @@ def _first_misplaced(got: torch.Tensor, expected: torch.Tensor, *, name: str) ->
     if not torch.equal(got.double().flatten().sort().values, expected.flatten().sort().values):
         return (
             f"{where} is {value:g}: your result is not a rearrangement of the input's values. Splitting and "
-            "merging heads only moves values around (view, transpose, reshape), it never changes them."
+            "merging heads only moves values around (view, transpose, permute, reshape), it never changes them."
         )
     return f"{where} holds {_decode(value)}, expected {_decode(expected[index].item())}."
 
 
-# (B, L, E, H): L != H everywhere, so (B, L, H, D) and (B, H, L, D) never coincide.
-_SIZES = [(2, 5, 12, 3), (1, 3, 8, 4), (3, 6, 6, 2)]
+# (L, B, E, H): L, B, H and D = E // H all different in the first three, so that no two axes can
+# be swapped unnoticed; the last has B = 1.
+_SIZES = [(5, 2, 12, 3), (3, 4, 10, 2), (6, 3, 8, 4), (4, 1, 6, 3)]
 
 
 # --- 02.split_heads ------------------------------------------------------------------------
-# The learner writes split_heads(x, num_heads): (B, L, E) -> (B, H, L, D), head h holding
+# The learner writes split_heads(x, num_heads): (L, B, E) -> (B, H, L, D), head h holding
 # features h*D .. (h+1)*D - 1 of every token (the layout nn.MultiheadAttention uses).
 
 
 def _split_cases() -> list[Case]:
-    return [Case(f"split_heads(x of shape {(B, L, E)}, num_heads={H})", (_token_codes(B, L, E), H)) for B, L, E, H in _SIZES]
+    return [
+        Case(f"split_heads(x of shape (L, B, E) = {(L, B, E)}, num_heads={H})", (_token_codes(L, B, E), H))
+        for L, B, E, H in _SIZES
+    ]
+
+
+def _split_expected(x: torch.Tensor, H: int) -> torch.Tensor:
+    return split_heads(x.transpose(0, 1), H)  # (B, H, L, D), through the batch-first library function
 
 
 def _diagnose_split(got: torch.Tensor, x: torch.Tensor, H: int) -> str | None:
-    B, L, E = x.shape
+    L, B, E = x.shape
     D = E // H
     found = first_match(
         got,
         [
             (lambda: x.reshape(B, H, L, D),
-             "you reshaped (B, L, E) straight to (B, H, L, D). reshape keeps the memory order, so a 'head' now holds "
-             "pieces of several different tokens. View as (B, L, H, D) first, then swap axes: .transpose(1, 2)."),
-            (lambda: x.reshape(B, L, D, H).permute(0, 3, 1, 2),
+             "you reshaped (L, B, E) straight to (B, H, L, D). reshape keeps the memory order, so a 'head' now holds "
+             "pieces of several tokens and batch elements. First cut E into (H, D) with a view to (L, B, H, D), then "
+             "move the axes with permute."),
+            (lambda: x.transpose(0, 1).reshape(B, H, L, D),
+             "you moved the batch axis first, then reshaped (B, L, E) straight to (B, H, L, D): that reshape mixes "
+             "tokens. Cut E into (H, D) first, then move the head axis in front of the sequence axis."),
+            (lambda: x.reshape(L, B, D, H).permute(1, 3, 0, 2),
              "your head h takes every H-th feature (h, h + H, ...); it must take the contiguous chunk h*D .. (h+1)*D - 1 "
-             "(the layout nn.MultiheadAttention uses): view as (B, L, H, D), not (B, L, D, H)."),
+             "(the layout nn.MultiheadAttention uses): view as (L, B, H, D), not (L, B, D, H)."),
         ],
         atol=0,
         rtol=0,
     )
     if found:
         return found
-    return _first_misplaced(got, split_heads(x, H), name="out")
+    return _first_misplaced(got, _split_expected(x, H), name="out")
 
 
-def _split_shape_hint(got: torch.Tensor, B: int, L: int, H: int, D: int) -> str:
+def _split_shape_hint(got: torch.Tensor, L: int, B: int, H: int, D: int) -> str:
     shape = tuple(got.shape)
+    if shape == (L, H, B, D):
+        return ("That is (L, H, B, D): you treated the first axis as the batch. The input is sequence-first, "
+                "(L, B, E): axis 0 is the position, axis 1 the batch element.")
     if shape == (B, L, H, D):
-        return ("That is (B, L, H, D): you did not move the head axis forward. Attention runs over the sequence axis "
-                "per head, so heads go before it: .transpose(1, 2).")
+        return ("That is (B, L, H, D): the head axis must come before the sequence axis, (B, H, L, D), so that "
+                "attention runs over the positions of each head.")
     if shape == (H, B, L, D):
         return "That is (H, B, L, D): keep the batch axis first, (B, H, L, D)."
-    return "Split E = H * D into H heads of size D and put the heads before the sequence axis."
+    if shape == (L, B, H, D):
+        return "That is (L, B, H, D): E is cut into heads, now move the axes to (B, H, L, D) with permute."
+    return "Split E = H * D into H heads of size D, then order the axes (B, H, L, D)."
 
 
 def _judge_split(cases, outcomes):
     checklist = Checklist()
-    with checklist.check("returns shape (B, H, L, D)"):
+    with checklist.check("returns shape (B, H, L, D) from (L, B, E)"):
         for case, _, got in answered(cases, outcomes, hints=_RESHAPE_ERROR_HINTS):
             x, H = case.args
-            B, L, E = x.shape
-            expect_shape(got, (B, H, L, E // H), what=case.name, hint=_split_shape_hint(got, B, L, H, E // H))
-    for title, indices in (("head h of token l holds features h*D .. (h+1)*D - 1 of token l", (0,)),
-                           ("any number of heads and sizes", (1, 2))):
+            L, B, E = x.shape
+            expect_shape(got, (B, H, L, E // H), what=case.name, hint=_split_shape_hint(got, L, B, H, E // H))
+    for title, indices in (("head h of token l in batch b holds features h*D .. (h+1)*D - 1 of x[l, b]", (0,)),
+                           ("any number of heads, batch sizes and lengths", (1, 2, 3))):
         with checklist.check(title):
             for index in indices:
                 case, outcome = cases[index], outcomes[index]
                 x, H = case.args
                 got = returned(outcome, what=case.name, hints=_RESHAPE_ERROR_HINTS)
-                expected = split_heads(x, H)
-                expect_shape(got, expected.shape, what=case.name)
+                expected = _split_expected(x, H)
+                expect_shape(got, expected.shape, what=case.name, hint=_split_shape_hint(got, *x.shape[:2], H, x.shape[2] // H))
                 if not torch.equal(got.double(), expected):
                     raise Fail(f"{case.name}: {_diagnose_split(got, x, H)}")
     return checklist.results
 
 
 def _split_reference(x, num_heads):
-    return split_heads(x, num_heads)
+    L, B, E = x.shape
+    x = x.view(L, B, num_heads, E // num_heads)  # (L, B, H, D)
+    return x.permute(1, 2, 0, 3)  # (B, H, L, D)
 
 
 def _split_reshape_straight(x, num_heads):
-    B, L, E = x.shape
+    L, B, E = x.shape
     return x.reshape(B, num_heads, L, E // num_heads)  # the token-mixing bug
 
 
-def _split_no_transpose(x, num_heads):
-    B, L, E = x.shape
-    return x.view(B, L, num_heads, E // num_heads)
+def _split_as_if_batch_first(x, num_heads):
+    L, B, E = x.shape
+    return x.view(L, B, num_heads, E // num_heads).transpose(1, 2)  # lesson 02's recipe on the wrong layout
+
+
+def _split_heads_not_moved(x, num_heads):
+    L, B, E = x.shape
+    return x.view(L, B, num_heads, E // num_heads).transpose(0, 1)  # (B, L, H, D)
 
 
 def _split_strided_heads(x, num_heads):
-    B, L, E = x.shape
-    return x.view(B, L, E // num_heads, num_heads).permute(0, 3, 1, 2)
+    L, B, E = x.shape
+    return x.view(L, B, E // num_heads, num_heads).permute(1, 3, 0, 2)
 
 
 def _split_heads_first(x, num_heads):
-    B, L, E = x.shape
-    return x.view(B, L, num_heads, E // num_heads).permute(2, 0, 1, 3)
+    L, B, E = x.shape
+    return x.view(L, B, num_heads, E // num_heads).permute(2, 1, 0, 3)  # (H, B, L, D)
+
+
+def _split_batch_first_then_reshape(x, num_heads):
+    L, B, E = x.shape
+    return x.transpose(0, 1).reshape(B, num_heads, L, E // num_heads)
 
 
 def _split_fixed_heads(x, num_heads):
-    B, L, E = x.shape
-    return x.view(B, L, 3, E // 3).transpose(1, 2)  # ignores num_heads
+    L, B, E = x.shape
+    return x.view(L, B, 3, E // 3).permute(1, 2, 0, 3)  # ignores num_heads
+
+
+def _split_with_the_library(x, num_heads):
+    import attn_course as ac
+
+    return ac.split_heads(x.transpose(0, 1), num_heads)  # right values, the library's work
 
 
 SPLIT_HEADS = Task(
     id="02.split_heads",
-    title="Split heads: (B, L, E) -> (B, H, L, D)",
+    title="Split heads: (L, B, E) -> (B, H, L, D)",
     function_name="split_heads",
     make_cases=_split_cases,
     judge=_judge_split,
     reference=_split_reference,
     wrong={
         "reshape straight to (B, H, L, D) (mixes tokens)": Wrong(_split_reshape_straight, "straight to (B, H, L, D)"),
-        "no transpose: returns (B, L, H, D)": Wrong(_split_no_transpose, "did not move the head axis forward"),
+        "lesson 02's batch-first recipe on (L, B, E)": Wrong(_split_as_if_batch_first, "treated the first axis as the batch"),
+        "heads not moved: returns (B, L, H, D)": Wrong(_split_heads_not_moved, "before the sequence axis"),
         "head h takes every H-th feature": Wrong(_split_strided_heads, "every H-th feature"),
         "heads before the batch axis (H, B, L, D)": Wrong(_split_heads_first, "keep the batch axis first"),
+        "batch moved first, then reshaped straight": Wrong(_split_batch_first_then_reshape, "moved the batch axis first"),
         "hard-coded number of heads": Wrong(_split_fixed_heads, "num_heads argument"),
+        "calls attn_course.split_heads": Wrong(_split_with_the_library, "you called attn_course.split_heads", kind="algorithm"),
     },
+    forbidden=_FORBIDDEN_SPLIT,
 )
 
 
 # --- 02.merge_heads ------------------------------------------------------------------------
-# The learner writes merge_heads(x): (B, H, L, D) -> (B, L, E), the inverse of split_heads.
+# The learner writes merge_heads(x): (B, H, L, D) -> (L, B, E), the inverse of split_heads.
 
 
 def _merge_cases() -> list[Case]:
     cases = []
-    for B, L, E, H in _SIZES:
-        x = split_heads(_token_codes(B, L, E), H).contiguous()  # (B, H, L, D), as attention returns it
-        cases.append(Case(f"merge_heads(x of shape {tuple(x.shape)})", (x,)))
+    for L, B, E, H in _SIZES:
+        x = _split_expected(_token_codes(L, B, E), H).contiguous()  # (B, H, L, D), as attention returns it
+        cases.append(Case(f"merge_heads(x of shape (B, H, L, D) = {tuple(x.shape)})", (x,)))
     return cases
+
+
+def _merge_expected(x: torch.Tensor) -> torch.Tensor:
+    return merge_heads(x).transpose(0, 1)  # (L, B, E), through the batch-first library function
 
 
 def _diagnose_merge(got: torch.Tensor, x: torch.Tensor) -> str | None:
@@ -186,151 +254,153 @@ def _diagnose_merge(got: torch.Tensor, x: torch.Tensor) -> str | None:
     found = first_match(
         got,
         [
-            (lambda: x.reshape(B, L, H * D),
-             "you reshaped (B, H, L, D) straight to (B, L, E) without moving the head axis back: each output row now "
-             "mixes features of different tokens (a classic bug in published ViT code). First .transpose(1, 2) to "
-             "(B, L, H, D), then reshape to (B, L, E)."),
-            (lambda: x.permute(0, 2, 3, 1).reshape(B, L, H * D),
+            (lambda: x.reshape(L, B, H * D),
+             "you reshaped (B, H, L, D) straight to (L, B, E) without moving any axis: each output row now mixes "
+             "features of different tokens, heads and batch elements. Permute to (L, B, H, D) first, then flatten "
+             "the last two axes."),
+            (lambda: x.transpose(1, 2).reshape(B, L, H * D).reshape(L, B, H * D),
+             "you merged to the batch-first (B, L, E), then reshaped that to (L, B, E). reshape never swaps axes: it "
+             "re-reads the same memory, so batch elements and positions get mixed. Swap them with .transpose(0, 1) "
+             "(or permute straight to (L, B, H, D))."),
+            (lambda: x.permute(2, 0, 3, 1).reshape(L, B, H * D),
              "the features of head h must sit together at h*D .. (h+1)*D - 1; yours are interleaved (you flattened "
-             "(D, H) instead of (H, D)). Transpose to (B, L, H, D), then flatten the last two axes."),
+             "(D, H) instead of (H, D)). Permute to (L, B, H, D), then flatten the last two axes."),
         ],
         atol=0,
         rtol=0,
     )
     if found:
         return found
-    return _first_misplaced(got, merge_heads(x), name="out")
+    return _first_misplaced(got, _merge_expected(x), name="out")
 
 
 def _merge_shape_hint(got: torch.Tensor, B: int, H: int, L: int, D: int) -> str:
     shape = tuple(got.shape)
-    if shape == (B, L, H, D):
-        return "That is (B, L, H, D): flatten the last two axes into E = H * D, e.g. .reshape(B, L, H * D)."
-    if shape in ((B, L, D), (B, H, D), (B, 1, L, D)):
+    if shape == (B, L, H * D):
+        return ("That is (B, L, E), the batch-first layout of lesson 02; this exercise works in PyTorch's default "
+                "sequence-first layout, (L, B, E).")
+    if shape == (L, B, H, D):
+        return "That is (L, B, H, D): flatten the last two axes into E = H * D, e.g. .reshape(L, B, H * D)."
+    if shape in ((L, B, D), (B, L, D), (B, H, D)):
         return "Merging concatenates the heads' features (E = H * D); summing or averaging over heads loses them."
-    return "Move the head axis next to D (.transpose(1, 2)) and flatten H and D into E = H * D."
+    return "Move the axes to (L, B, H, D) with permute, then flatten H and D into E = H * D."
 
 
 def _judge_merge(cases, outcomes):
     checklist = Checklist()
-    with checklist.check("returns shape (B, L, E) with E = H * D"):
+    with checklist.check("returns shape (L, B, E) with E = H * D"):
         for case, _, got in answered(cases, outcomes, hints=_RESHAPE_ERROR_HINTS):
             (x,) = case.args
             B, H, L, D = x.shape
-            expect_shape(got, (B, L, H * D), what=case.name, hint=_merge_shape_hint(got, B, H, L, D))
-    for title, indices in (("token l's row holds head 0's features, then head 1's, ... (no token mixing)", (0,)),
-                           ("any number of heads and sizes", (1, 2))):
+            expect_shape(got, (L, B, H * D), what=case.name, hint=_merge_shape_hint(got, B, H, L, D))
+    for title, indices in (("row (l, b) holds head 0's features of token l in batch b, then head 1's, ...", (0,)),
+                           ("any number of heads, batch sizes and lengths", (1, 2, 3))):
         with checklist.check(title):
             for index in indices:
                 case, outcome = cases[index], outcomes[index]
                 (x,) = case.args
                 got = returned(outcome, what=case.name, hints=_RESHAPE_ERROR_HINTS)
-                expected = merge_heads(x)
-                expect_shape(got, expected.shape, what=case.name)
+                expected = _merge_expected(x)
+                expect_shape(got, expected.shape, what=case.name, hint=_merge_shape_hint(got, *x.shape))
                 if not torch.equal(got.double(), expected):
                     raise Fail(f"{case.name}: {_diagnose_merge(got, x)}")
     return checklist.results
 
 
 def _merge_reference(x):
-    return merge_heads(x)
+    B, H, L, D = x.shape
+    return x.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, H, D) -> (L, B, E), copies
 
 
 def _merge_reshape_straight(x):
     B, H, L, D = x.shape
-    return x.reshape(B, L, H * D)  # the source article's bug: tokens get mixed
+    return x.reshape(L, B, H * D)
 
 
-def _merge_view_after_transpose(x):
+def _merge_batch_first(x):
     B, H, L, D = x.shape
-    return x.transpose(1, 2).view(B, L, H * D)
+    return x.transpose(1, 2).reshape(B, L, H * D)  # lesson 02's merge: the wrong layout for this task
+
+
+def _merge_batch_first_then_reshape(x):
+    B, H, L, D = x.shape
+    return x.transpose(1, 2).reshape(B, L, H * D).reshape(L, B, H * D)
+
+
+def _merge_view_after_permute(x):
+    B, H, L, D = x.shape
+    return x.permute(2, 0, 1, 3).view(L, B, H * D)
 
 
 def _merge_interleaved(x):
     B, H, L, D = x.shape
-    return x.permute(0, 2, 3, 1).reshape(B, L, H * D)
+    return x.permute(2, 0, 3, 1).reshape(L, B, H * D)
 
 
 def _merge_not_flattened(x):
-    return x.transpose(1, 2)
+    return x.permute(2, 0, 1, 3)  # (L, B, H, D)
 
 
 def _merge_sum_heads(x):
-    return x.sum(dim=1)
+    return x.sum(dim=1).transpose(0, 1)  # (L, B, D)
+
+
+def _merge_with_the_library(x):
+    import attn_course as ac
+
+    return ac.merge_heads(x).transpose(0, 1)
 
 
 MERGE_HEADS = Task(
     id="02.merge_heads",
-    title="Merge heads: (B, H, L, D) -> (B, L, E)",
+    title="Merge heads: (B, H, L, D) -> (L, B, E)",
     function_name="merge_heads",
     make_cases=_merge_cases,
     judge=_judge_merge,
     reference=_merge_reference,
     wrong={
-        "reshape without moving the head axis back (mixes tokens)": Wrong(
-            _merge_reshape_straight, "straight to (B, L, E)"
-        ),
-        ".view() after .transpose()": Wrong(_merge_view_after_transpose, ".contiguous().view()"),
+        "reshape straight to (L, B, E) (mixes tokens)": Wrong(_merge_reshape_straight, "straight to (L, B, E)"),
+        "returns the batch-first (B, L, E)": Wrong(_merge_batch_first, "sequence-first layout, (L, B, E)"),
+        "batch-first merge reshaped to (L, B, E)": Wrong(_merge_batch_first_then_reshape, "reshape never swaps axes"),
+        ".view() after .permute()": Wrong(_merge_view_after_permute, ".contiguous().view()"),
         "heads interleaved (flattens (D, H))": Wrong(_merge_interleaved, "interleaved"),
-        "returns (B, L, H, D) without flattening": Wrong(_merge_not_flattened, "flatten the last two axes"),
+        "returns (L, B, H, D) without flattening": Wrong(_merge_not_flattened, "flatten the last two axes"),
         "sums over heads instead of concatenating": Wrong(_merge_sum_heads, "concatenates"),
+        "calls attn_course.merge_heads": Wrong(_merge_with_the_library, "you called attn_course.merge_heads", kind="algorithm"),
     },
+    forbidden=_FORBIDDEN_MERGE,
 )
 
 
 # --- 02.mha_forward ------------------------------------------------------------------------
 # The learner writes the forward pass of multi-head self-attention from the weights of an
-# nn.MultiheadAttention: mha_forward(x, in_proj_weight, in_proj_bias, out_proj_weight,
-# out_proj_bias, num_heads) -> (B, L, E). in_proj_weight is [W_q; W_k; W_v], shape (3E, E).
+# nn.MultiheadAttention, in its default sequence-first layout: mha_forward(x, in_proj_weight,
+# in_proj_bias, out_proj_weight, out_proj_bias, num_heads), x (L, B, E) -> (L, B, E).
+# in_proj_weight is [W_q; W_k; W_v], shape (3E, E).
+
+# (L, B, E, H): several heads and a batch of 2 or more in all but the last, which has one head
+# (a learner right there but wrong elsewhere has the head bookkeeping to fix).
+_MHA_SIZES = [(5, 2, 12, 3), (4, 3, 8, 2), (6, 2, 16, 4), (3, 2, 6, 1)]
 
 
 def _mha_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(202)
+    randn = seeded_randn(202)
     cases = []
-    for B, L, E, H in [(2, 4, 6, 1), (2, 5, 12, 3), (1, 6, 8, 4)]:
-        x = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
-        in_w = torch.randn(3 * E, E, generator=gen, dtype=torch.float64) / math.sqrt(E)
-        in_b = 0.5 * torch.randn(3 * E, generator=gen, dtype=torch.float64)
-        out_w = torch.randn(E, E, generator=gen, dtype=torch.float64) / math.sqrt(E)
-        out_b = 0.5 * torch.randn(E, generator=gen, dtype=torch.float64)
-        cases.append(Case(f"x (B={B}, L={L}, E={E}), num_heads={H}", (x, in_w, in_b, out_w, out_b, H)))
+    for L, B, E, H in _MHA_SIZES:
+        x = randn(L, B, E)
+        in_w, in_b = randn(3 * E, E) / math.sqrt(E), 0.5 * randn(3 * E)
+        out_w, out_b = randn(E, E) / math.sqrt(E), 0.5 * randn(E)
+        cases.append(Case(f"x (L={L}, B={B}, E={E}), num_heads={H}", (x, in_w, in_b, out_w, out_b, H)))
     return cases
 
 
 def _mha_expected(x, in_w, in_b, out_w, out_b, H):
-    """What nn.MultiheadAttention with these weights returns, via the library's bridge."""
+    """What nn.MultiheadAttention(E, H) (sequence-first) with these weights returns."""
     E = x.shape[-1]
-    module = nn.MultiheadAttention(E, H, batch_first=True, dtype=x.dtype)
+    module = nn.MultiheadAttention(E, H, dtype=x.dtype)
     module.load_state_dict({"in_proj_weight": in_w, "in_proj_bias": in_b, "out_proj.weight": out_w, "out_proj.bias": out_b})
     with torch.no_grad():
-        return MultiHeadAttention.from_torch(module.eval())(x)
-
-
-def _mha_variant(
-    x, in_w, in_b, out_w, out_b, H, *,
-    scale=None, in_bias=True, out_bias=True, out_proj=True, transposed_weights=False,
-    split=split_heads, merge=merge_heads, softmax_dim=-1,
-):
-    """The forward pass with one classic mistake switched on (library pieces only)."""
-    E = x.shape[-1]
-
-    def linear(inputs, weight, bias):
-        return F.linear(inputs, weight.T if transposed_weights else weight, bias)
-
-    w_q, w_k, w_v = in_w.split(E, dim=0)  # 3 x (E, E)
-    b_q, b_k, b_v = in_b.split(E) if in_bias else (None, None, None)
-    q = split(linear(x, w_q, b_q), H)  # (B, H, L, D)
-    k = split(linear(x, w_k, b_k), H)  # (B, H, L, D)
-    v = split(linear(x, w_v, b_v), H)  # (B, H, L, D)
-    scale = 1.0 / math.sqrt(E // H) if scale is None else scale
-    if softmax_dim == -1:
-        context = scaled_dot_product_attention(q, k, v, scale=scale)  # (B, H, L, D)
-    else:
-        context = softmax_over_queries(q, k, v, scale=scale)  # (B, H, L, D)
-    merged = merge(context)  # (B, L, E)
-    if not out_proj:
-        return merged
-    return linear(merged, out_w, out_b if out_bias else None)  # (B, L, E)
+        return module.eval()(x, x, x, need_weights=False)[0]  # (L, B, E)
 
 
 def _split_straight(x, H):
@@ -343,6 +413,33 @@ def _merge_straight(x):
     return x.reshape(B, L, H * D)  # (B, L, E), tokens mixed
 
 
+def _mha_variant(
+    x, in_w, in_b, out_w, out_b, H, *,
+    scale=None, in_bias=True, out_bias=True, out_proj=True, transposed_weights=False,
+    split=split_heads, merge=merge_heads, softmax_dim=-1, sequence_first=True,
+):
+    """The forward pass with one classic mistake switched on (library pieces only)."""
+    E = x.shape[-1]
+
+    def linear(inputs, weight, bias):
+        return F.linear(inputs, weight.T if transposed_weights else weight, bias)
+
+    xb = x.transpose(0, 1) if sequence_first else x  # (B, L, E); the bug reads (L, B, E) as (B, L, E)
+    w_q, w_k, w_v = in_w.split(E, dim=0)  # 3 x (E, E)
+    b_q, b_k, b_v = in_b.split(E) if in_bias else (None, None, None)
+    q = split(linear(xb, w_q, b_q), H)  # (B, H, L, D)
+    k = split(linear(xb, w_k, b_k), H)  # (B, H, L, D)
+    v = split(linear(xb, w_v, b_v), H)  # (B, H, L, D)
+    scale = 1.0 / math.sqrt(E // H) if scale is None else scale
+    if softmax_dim == -1:
+        context = scaled_dot_product_attention(q, k, v, scale=scale)  # (B, H, L, D)
+    else:
+        context = softmax_over_queries(q, k, v, scale=scale)  # (B, H, L, D)
+    merged = merge(context)  # (B, L, E)
+    out = linear(merged, out_w, out_b if out_bias else None) if out_proj else merged  # (B, L, E)
+    return out.transpose(0, 1) if sequence_first else out  # (L, B, E)
+
+
 def _diagnose_mha(got, args) -> str | None:
     x, E, H = args[0], args[0].shape[-1], args[-1]
     D = E // H
@@ -353,6 +450,9 @@ def _diagnose_mha(got, args) -> str | None:
     return first_match(
         got,
         [
+            (variant(sequence_first=False),
+             "your output is what attention over the *batch* axis gives: you read x as (B, L, E). "
+             "nn.MultiheadAttention's default layout is sequence-first, (L, B, E): axis 0 is the position."),
             (variant(out_proj=False),
              "your result is the merged heads before the output projection: finish with "
              "merged @ out_proj_weight.T + out_proj_bias."),
@@ -371,14 +471,13 @@ def _diagnose_mha(got, args) -> str | None:
             (variant(softmax_dim=-2),
              "your weights sum to 1 over the queries (dim=-2): softmax over dim=-1, the keys."),
             (variant(split=_split_straight),
-             "you split the heads by reshaping (B, L, E) straight to (B, H, L, D), which mixes tokens: view as "
-             "(B, L, H, D), then .transpose(1, 2)."),
+             "you split the heads by reshaping straight to (B, H, L, D), which mixes tokens: cut E into (H, D) "
+             "first, then move the head axis in front of the sequence axis."),
             (variant(merge=_merge_straight),
              "you merge the heads by reshaping (B, H, L, D) straight to (B, L, E), which mixes tokens: "
-             ".transpose(1, 2) to (B, L, H, D) first, then reshape."),
+             "move the head axis back next to D first, then reshape."),
             (variant(split=_split_straight, merge=_merge_straight),
-             "you split and merge the heads by plain reshapes, without moving the head axis: tokens get mixed. "
-             "Split: view (B, L, H, D) then .transpose(1, 2); merge: the reverse."),
+             "you split and merge the heads by plain reshapes, without moving the head axis: tokens get mixed."),
         ],
         atol=1e-9,
         rtol=1e-7,
@@ -387,18 +486,26 @@ def _diagnose_mha(got, args) -> str | None:
 
 def _judge_mha(cases, outcomes):
     checklist = Checklist()
-    with checklist.check("returns (B, L, E) in the input's dtype"):
+    with checklist.check("returns (L, B, E) in the input's dtype"):
         for case, _, got in answered(cases, outcomes, hints=_RESHAPE_ERROR_HINTS):
             x = case.args[0]
             expect_shape(got, x.shape, what=case.name, hint="Self-attention returns one E-vector per token.")
             expect_dtype(got, x.dtype, what=case.name)
     single_head = [i for i, case in enumerate(cases) if case.args[-1] == 1]
     multi_head = [i for i, case in enumerate(cases) if case.args[-1] > 1]
+
+    def right(index):
+        outcome, case = outcomes[index], cases[index]
+        got = outcome.returned
+        if outcome.error is not None or not isinstance(got, torch.Tensor) or got.shape != case.args[0].shape:
+            return False
+        return bool(torch.allclose(got.detach().double(), _mha_expected(*case.args), atol=1e-9, rtol=1e-7))
+
+    single_head_right = bool(single_head) and all(right(i) for i in single_head)
     sections = (
+        ("several heads, batches of 2 or more: equal to nn.MultiheadAttention", multi_head),
         ("one head: projections, scale, softmax, output projection", single_head),
-        ("several heads match nn.MultiheadAttention", multi_head),
     )
-    single_head_passed = False
     for title, indices in sections:
         with checklist.check(title):
             for index in indices:
@@ -407,11 +514,10 @@ def _judge_mha(cases, outcomes):
                 expected = _mha_expected(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 hint = _diagnose_mha(got, case.args) or ""
-                if not hint and single_head_passed:
+                if not hint and single_head_right and index in multi_head:
                     hint = ("With one head you are right, so projections and softmax are fine: look at how you split "
                             "and merge the heads, and at the scale (1/sqrt(head_dim)).")
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
-        single_head_passed = single_head_passed or (indices is single_head and checklist.results[-1].passed)
     with checklist.check("leaves x and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_RESHAPE_ERROR_HINTS):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -419,7 +525,18 @@ def _judge_mha(cases, outcomes):
 
 
 def _mha_reference(x, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, num_heads):
-    return _mha_variant(x, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, num_heads)
+    # Written out: the task forbids calling the layer itself.
+    L, B, E = x.shape
+    D = E // num_heads
+    q, k, v = F.linear(x, in_proj_weight, in_proj_bias).chunk(3, dim=-1)  # 3 x (L, B, E)
+    q, k, v = (t.reshape(L, B, num_heads, D).permute(1, 2, 0, 3) for t in (q, k, v))  # (B, H, L, D)
+    context = scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
+    merged = context.permute(2, 0, 1, 3).reshape(L, B, E)  # (L, B, E)
+    return F.linear(merged, out_proj_weight, out_proj_bias)  # (L, B, E)
+
+
+def _mha_as_if_batch_first(*args):
+    return _mha_variant(*args, sequence_first=False)
 
 
 def _mha_no_out_proj(*args):
@@ -444,10 +561,11 @@ def _mha_no_biases(*args):
 
 def _mha_untransposed_weights(x, in_w, in_b, out_w, out_b, H):
     E = x.shape[-1]
+    xb = x.transpose(0, 1)  # (B, L, E)
     w_q, w_k, w_v = in_w.split(E)  # 3 x (E, E)
     b_q, b_k, b_v = in_b.split(E)  # 3 x (E,)
-    q, k, v = (split_heads(x @ w + b, H) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))  # (B, H, L, D)
-    return merge_heads(scaled_dot_product_attention(q, k, v)) @ out_w + out_b  # (B, L, E)
+    q, k, v = (split_heads(xb @ w + b, H) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))  # (B, H, L, D)
+    return (merge_heads(scaled_dot_product_attention(q, k, v)) @ out_w + out_b).transpose(0, 1)  # (L, B, E)
 
 
 def _mha_softmax_wrong_axis(*args):
@@ -462,14 +580,29 @@ def _mha_scales_weights_in_place(x, in_w, in_b, out_w, out_b, H):
     return _mha_variant(x, in_w, in_b, out_w, out_b, H, scale=1.0)
 
 
+def _mha_torch_module(x, in_w, in_b, out_w, out_b, H):
+    module = nn.MultiheadAttention(x.shape[-1], H, dtype=x.dtype)
+    module.load_state_dict({"in_proj_weight": in_w, "in_proj_bias": in_b, "out_proj.weight": out_w, "out_proj.bias": out_b})
+    return module(x, x, x, need_weights=False)[0]
+
+
+def _mha_course_module(x, in_w, in_b, out_w, out_b, H):
+    import attn_course as ac
+
+    module = nn.MultiheadAttention(x.shape[-1], H, dtype=x.dtype)
+    module.load_state_dict({"in_proj_weight": in_w, "in_proj_bias": in_b, "out_proj.weight": out_w, "out_proj.bias": out_b})
+    return ac.MultiHeadAttention.from_torch(module)(x.transpose(0, 1)).transpose(0, 1)
+
+
 MHA_FORWARD = Task(
     id="02.mha_forward",
-    title="Multi-head attention forward pass",
+    title="Multi-head attention forward pass (sequence-first)",
     function_name="mha_forward",
     make_cases=_mha_cases,
     judge=_judge_mha,
     reference=_mha_reference,
     wrong={
+        "reads (L, B, E) as batch-first": Wrong(_mha_as_if_batch_first, "you read x as (B, L, E)"),
         "no output projection": Wrong(_mha_no_out_proj, "before the output projection"),
         "heads merged without the transpose": Wrong(_mha_merge_without_transpose, "merge the heads by reshaping"),
         "heads split without the transpose": Wrong(_mha_split_without_transpose, "split the heads by reshaping"),
@@ -478,5 +611,257 @@ MHA_FORWARD = Task(
         "x @ W instead of x @ W.T": Wrong(_mha_untransposed_weights, "x @ W.T + b"),
         "softmax over dim=-2": Wrong(_mha_softmax_wrong_axis, "softmax over dim=-1"),
         "folds the scale into the weights in place": Wrong(_mha_scales_weights_in_place, "in place", kind="contract"),
+        "calls nn.MultiheadAttention": Wrong(_mha_torch_module, "you called torch.nn.MultiheadAttention", kind="algorithm"),
+        "calls attn_course.MultiHeadAttention": Wrong(
+            _mha_course_module, "you called attn_course.MultiHeadAttention", kind="algorithm"
+        ),
+    },
+    forbidden=_FORBIDDEN_LAYER,
+)
+
+
+# --- 02.prune_heads (stretch) --------------------------------------------------------------
+# Lesson 02 shows that a multi-head layer's output is a sum over heads, each head's output times
+# its own block of W^O's columns. So a layer without some heads is the same layer with fewer rows
+# of W_q, W_k, W_v (and of their biases) and fewer columns of W^O. The learner writes
+# prune_heads(in_proj_weight, in_proj_bias, out_proj_weight, num_heads, keep) -> the weights of
+# the pruned layer (K = len(keep) heads, each still of size D = E // num_heads):
+# in_proj_weight (3 K D, E) = [W_q'; W_k'; W_v'], in_proj_bias (3 K D,), out_proj_weight (E, K D).
+# out_proj_bias is unchanged. The grader runs both layers and compares: the pruned layer must give
+# what the full layer gives when the other heads' outputs are set to zero.
+
+# (E, H, keep): heads kept in the order given (the order is free, but must be the same in W_in and W^O).
+_PRUNE_SETTINGS = [(12, 3, [0, 2]), (16, 4, [3, 1]), (8, 2, [0, 1]), (12, 4, [2, 0, 3]), (12, 4, [1])]
+
+
+def _prune_cases() -> list[Case]:
+    randn = seeded_randn(205)
+    cases = []
+    for E, H, keep in _PRUNE_SETTINGS:
+        in_w, in_b, out_w = randn(3 * E, E) / math.sqrt(E), 0.5 * randn(3 * E), randn(E, E) / math.sqrt(E)
+        cases.append(Case(f"E={E}, num_heads={H}, keep={keep}", (in_w, in_b, out_w, H, list(keep))))
+    return cases
+
+
+def _probe_input(E: int) -> torch.Tensor:
+    return seeded_randn(206)(2, 5, E)  # (B, L, E): the grader's own input, batch-first (internal)
+
+
+def _forward_with_heads(x, in_w, in_b, out_w, out_b, D, *, silenced=()):
+    """Batch-first multi-head self-attention with heads of size D; the heads in ``silenced`` output zero."""
+    H = in_w.shape[0] // (3 * D)
+    q, k, v = (split_heads(t, H) for t in F.linear(x, in_w, in_b).chunk(3, dim=-1))  # (B, H, L, D) each
+    context = scaled_dot_product_attention(q, k, v).clone()  # (B, H, L, D)
+    for h in silenced:
+        context[:, h] = 0.0
+    return F.linear(merge_heads(context), out_w, out_b)  # (B, L, E)
+
+
+def _prune_expected_output(in_w, in_b, out_w, H, keep):
+    E = in_w.shape[1]
+    x, out_b = _probe_input(E), torch.zeros(E, dtype=in_w.dtype)
+    dropped = [h for h in range(H) if h not in keep]
+    return _forward_with_heads(x, in_w, in_b, out_w, out_b, E // H, silenced=dropped)  # (B, L, E)
+
+
+def _head_rows(H: int, D: int, heads, *, strided: bool = False) -> torch.Tensor:
+    """Row indices, inside one (E, E) projection, of the given heads (head h: rows h*D .. (h+1)*D - 1)."""
+    if strided:  # the bug: head h taken as rows h, h + H, h + 2H, ...
+        return torch.cat([torch.arange(h, H * D, H) for h in heads])
+    return torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads])
+
+
+def _prune_variant(in_w, in_b, out_w, H, keep, *, strided=False, out_order=None, out_rows=False, keep_all_values=False):
+    """The pruned weights with one classic mistake switched on."""
+    E = in_w.shape[1]
+    D = E // H
+    rows = _head_rows(H, D, keep, strided=strided)
+    blocks = []
+    for part in range(3):  # q, k, v
+        if part == 2 and keep_all_values:
+            blocks.append(torch.arange(2 * E, 3 * E))
+        else:
+            blocks.append(part * E + rows)
+    index = torch.cat(blocks)
+    columns = _head_rows(H, D, keep if out_order is None else out_order, strided=strided)
+    new_out = out_w[columns] if out_rows else out_w[:, columns]
+    return in_w[index], in_b[index], new_out
+
+
+def _prune_returned(outcome, case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The learner's three tensors, or Fail with a clear message."""
+    value = outcome.returned
+    if outcome.not_implemented or outcome.error is not None:
+        returned(outcome, what=case.name)  # raises the right Fail
+    if not isinstance(value, (tuple, list)) or len(value) != 3 or not all(isinstance(t, torch.Tensor) for t in value):
+        got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (tuple, list)) else type(value).__name__
+        raise Fail(f"{case.name}: return a tuple of three tensors (in_proj_weight, in_proj_bias, out_proj_weight), "
+                   f"got a {got}.")
+    return tuple(value)
+
+
+def _diagnose_prune(got, in_w, in_b, out_w, H, keep) -> str | None:
+    def matches(variant):
+        try:
+            expected = variant()
+        except Exception:
+            return False
+        return all(g.shape == e.shape and torch.allclose(g.double(), e.double()) for g, e in zip(got, expected))
+
+    dropped = [h for h in range(H) if h not in keep]
+    checks = [
+        (lambda: _prune_variant(in_w, in_b, out_w, H, keep, strided=True),
+         "you took head h as every H-th row (h, h + H, ...). In nn.MultiheadAttention head h is the contiguous "
+         "block of rows h*D .. (h+1)*D - 1 of each of W_q, W_k, W_v, and the same block of W^O's columns."),
+        (lambda: _prune_variant(in_w, in_b, out_w, H, sorted(keep), out_order=keep),
+         "your W_in takes the kept heads in sorted order but your W^O in the order of keep: head i of the pruned "
+         "W_in must meet head i of the pruned W^O. Use one order for both."),
+        (lambda: _prune_variant(in_w, in_b, out_w, H, keep, out_order=sorted(keep)),
+         "your W_in takes the kept heads in the order of keep but your W^O in sorted order: head i of the pruned "
+         "W_in must meet head i of the pruned W^O. Use one order for both."),
+        (lambda: _prune_variant(in_w, in_b, out_w, H, dropped),
+         f"you returned the heads that should go ({dropped}) and removed the ones in keep ({keep})."),
+    ]
+    for variant, message in checks:
+        if dropped or "should go" not in message:
+            if matches(variant):
+                return message[:1].upper() + message[1:]
+    return None
+
+
+def _prune_shape_hint(got, E, K, D) -> str:
+    in_w, in_b, out_w = got
+    H = E // D
+    if K != H - K and tuple(in_w.shape) == (3 * (H - K) * D, E):
+        return f"You returned {H - K} heads: the heads that should go. Keep the {K} heads listed in keep."
+    if tuple(out_w.shape) == (K * D, E):
+        return ("Your out_proj_weight is (K*D, E): W^O maps the merged heads (in_features = K*D) to E outputs, so "
+                "prune its columns, not its rows: shape (E, K*D).")
+    if tuple(in_w.shape) == (2 * K * D + E, E):
+        return "You pruned W_q and W_k but kept every head of W_v: the values of a removed head go too."
+    if tuple(in_b.shape) == (3 * E,):
+        return "in_proj_bias holds [b_q; b_k; b_v] for every head: prune it like the weight's rows."
+    return ""
+
+
+def _judge_prune(cases, outcomes):
+    checklist = Checklist()
+    answered_cases = []
+    with checklist.check("returns (in_proj_weight (3*K*D, E), in_proj_bias (3*K*D,), out_proj_weight (E, K*D))"):
+        first_failure = None
+        for case, outcome in zip(cases, outcomes):
+            in_w, in_b, out_w, H, keep = case.args
+            E, K = in_w.shape[1], len(keep)
+            D = E // H
+            try:
+                got = _prune_returned(outcome, case)
+            except Fail as failure:
+                if outcome.not_implemented:
+                    raise
+                first_failure = first_failure or failure
+                continue
+            shapes = [tuple(t.shape) for t in got]
+            wanted = [(3 * K * D, E), (3 * K * D,), (E, K * D)]
+            if shapes != wanted:
+                raise Fail(f"{case.name}: you returned shapes {shapes}, expected {wanted}. "
+                           + _prune_shape_hint(got, E, K, D))
+            answered_cases.append(case)
+        if not answered_cases and first_failure is not None:
+            raise first_failure
+    sections = (
+        ("the pruned layer computes the full layer with the other heads silenced", (0, 1)),
+        ("keeping every head gives the same layer; three of four, or one head, work too", (2, 3, 4)),
+    )
+    for title, indices in sections:
+        with checklist.check(title):
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                in_w, in_b, out_w, H, keep = case.args
+                E, K = in_w.shape[1], len(keep)
+                D = E // H
+                got = _prune_returned(outcome, case)
+                if [tuple(t.shape) for t in got] != [(3 * K * D, E), (3 * K * D,), (E, K * D)]:
+                    raise Fail(f"{case.name}: wrong shapes (see the first check). " + _prune_shape_hint(got, E, K, D))
+                expected = _prune_expected_output(in_w, in_b, out_w, H, keep)
+                x = _probe_input(E)
+                pruned = _forward_with_heads(x, *(t.detach().double() for t in got[:2]), got[2].detach().double(),
+                                             torch.zeros(E, dtype=torch.float64), D)
+                hint = _diagnose_prune(got, in_w, in_b, out_w, H, keep) or ""
+                expect_close(pruned, expected, what=f"{case.name}: the pruned layer's output", atol=1e-9, rtol=1e-7,
+                             hint=hint)
+    with checklist.check("leaves the original weights unchanged"):
+        ran = [(case, outcome) for case, outcome in zip(cases, outcomes) if outcome.error is None]
+        if not ran:
+            returned(outcomes[0], what=cases[0].name)  # not implemented, or raised everywhere: say so
+        for case, outcome in ran:
+            _prune_returned(outcome, case)  # something that is not three tensors earns nothing here either
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _prune_reference(in_proj_weight, in_proj_bias, out_proj_weight, num_heads, keep):
+    E = in_proj_weight.shape[1]
+    D = E // num_heads
+    rows = torch.cat([torch.arange(h * D, (h + 1) * D) for h in keep])  # the kept heads' rows in one (E, E) block
+    index = torch.cat([rows, E + rows, 2 * E + rows])  # the same rows of W_q, W_k and W_v
+    return in_proj_weight[index], in_proj_bias[index], out_proj_weight[:, rows]
+
+
+def _prune_strided(in_w, in_b, out_w, H, keep):
+    return _prune_variant(in_w, in_b, out_w, H, keep, strided=True)
+
+
+def _prune_out_rows(in_w, in_b, out_w, H, keep):
+    return _prune_variant(in_w, in_b, out_w, H, keep, out_rows=True)
+
+
+def _prune_out_sorted(in_w, in_b, out_w, H, keep):
+    return _prune_variant(in_w, in_b, out_w, H, keep, out_order=sorted(keep))
+
+
+def _prune_complement(in_w, in_b, out_w, H, keep):
+    return _prune_variant(in_w, in_b, out_w, H, [h for h in range(H) if h not in keep])
+
+
+def _prune_all_values(in_w, in_b, out_w, H, keep):
+    return _prune_variant(in_w, in_b, out_w, H, keep, keep_all_values=True)
+
+
+def _prune_bias_untouched(in_w, in_b, out_w, H, keep):
+    new_w, _, new_out = _prune_variant(in_w, in_b, out_w, H, keep)
+    return new_w, in_b, new_out
+
+
+def _prune_first_rows(in_w, in_b, out_w, H, keep):
+    """Keeps the right number of rows, but always the first ones (heads 0 .. K-1)."""
+    return _prune_variant(in_w, in_b, out_w, H, list(range(len(keep))))
+
+
+def _prune_zeroes_in_place(in_w, in_b, out_w, H, keep):
+    E = in_w.shape[1]
+    D = E // H
+    for h in range(H):  # "silence" the dropped heads in the caller's weights first...
+        if h not in keep:
+            out_w[:, h * D:(h + 1) * D] = 0.0
+    return _prune_variant(in_w, in_b, out_w, H, keep)  # ... right values, but the full layer is changed too
+
+
+PRUNE_HEADS = Task(
+    id="02.prune_heads",
+    title="Prune heads from a multi-head layer",
+    function_name="prune_heads",
+    make_cases=_prune_cases,
+    judge=_judge_prune,
+    reference=_prune_reference,
+    stretch=True,
+    wrong={
+        "heads taken as strided rows": Wrong(_prune_strided, "every H-th row"),
+        "W^O's rows pruned instead of its columns": Wrong(_prune_out_rows, "prune its columns"),
+        "W^O in sorted order, W_in in keep's order": Wrong(_prune_out_sorted, "Use one order for both"),
+        "keeps the dropped heads": Wrong(_prune_complement, "the heads that should go"),
+        "every value head kept": Wrong(_prune_all_values, "every head of W_v"),
+        "in_proj_bias not pruned": Wrong(_prune_bias_untouched, "prune it like the weight's rows"),
+        "always the first K heads": Wrong(_prune_first_rows, "the pruned layer's output is wrong"),
+        "zeroes the dropped heads in the caller's W^O": Wrong(_prune_zeroes_in_place, "in place", kind="contract"),
     },
 )

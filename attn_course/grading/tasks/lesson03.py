@@ -1,4 +1,5 @@
-"""Graded tasks for lesson 03 (masking)."""
+"""Graded tasks for lesson 03 (masking): causal and padding masks, masked attention, and the stretch
+task, the cross-attention mask of an encoder-decoder model with padding on both sides."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import torch
 
 from ...attention import scaled_dot_product_attention, stable_softmax
 from ...masks import causal_mask, combine_masks, padding_mask
+from .. import probes
 from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
 from ._common import answered, first_match, returned, seeded_randn
 
-__all__ = ["CAUSAL_MASK", "PADDING_MASK", "MASKED_ATTENTION"]
+__all__ = ["CAUSAL_MASK", "PADDING_MASK", "MASKED_ATTENTION", "CROSS_ATTENTION_MASK"]
 
 
 # --- 03.causal_mask ------------------------------------------------------------------------
@@ -74,7 +76,14 @@ def _judge_causal(cases, outcomes):
 
 
 def _causal_reference(L, S):
-    return causal_mask(L, S)
+    # Written out: the task forbids calling the library's causal_mask.
+    return torch.arange(S)[None, :] <= torch.arange(L)[:, None]  # (L, S): key j allowed for query i when j <= i
+
+
+def _causal_with_the_library(L, S):
+    import attn_course as ac
+
+    return ac.causal_mask(L, S)
 
 
 def _causal_shifted(L, S):
@@ -115,7 +124,9 @@ CAUSAL_MASK = Task(
         "float 0/1 instead of bool": Wrong(_causal_float, "dtype torch.float32", kind="contract"),
         "ignores S (always square)": Wrong(_causal_square_only, "shape"),
         "bottom-right aligned": Wrong(_causal_bottom_right, "top-left"),
+        "calls attn_course.causal_mask": Wrong(_causal_with_the_library, "you called attn_course.causal_mask", kind="algorithm"),
     },
+    forbidden=("attn_course.masks.causal_mask",),
 )
 
 
@@ -188,7 +199,14 @@ def _judge_padding(cases, outcomes):
 
 
 def _padding_reference(lengths, max_len):
-    return padding_mask(lengths, max_len)
+    # Written out: the task forbids calling the library's padding_mask.
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]  # (B, max_len)
+
+
+def _padding_with_the_library(lengths, max_len):
+    import attn_course as ac
+
+    return ac.padding_mask(lengths, max_len)
 
 
 def _padding_off_by_one(lengths, max_len):
@@ -229,7 +247,9 @@ PADDING_MASK = Task(
         "float 0/1 instead of bool": Wrong(_padding_float, "dtype torch.float32", kind="contract"),
         "real tokens at the end (left padding)": Wrong(_padding_left, "come first"),
         "transposed (max_len, B)": Wrong(_padding_transposed, "Rows are sequences"),
+        "calls attn_course.padding_mask": Wrong(_padding_with_the_library, "you called attn_course.padding_mask", kind="algorithm"),
     },
+    forbidden=("attn_course.masks.padding_mask",),
 )
 
 
@@ -247,6 +267,8 @@ def _masked_cases() -> list[Case]:
     with_empty_row = torch.tensor(
         [[True, False, True, False], [False, False, False, False], [True, True, True, True]]
     )  # (L, S); query 1 may attend to nothing
+    # Left padding under a causal mask: the padding queries of sequence 1 may attend to nothing.
+    left_padded = combine_masks(causal_mask(5), padding_mask([5, 3], 5).flip(-1)[:, None, None, :])  # (B, 1, L, S)
     return [
         Case("padding mask (2, 1, 1, 6): q (2, 2, 4, 8), k, v (2, 2, 6, 8), float64",
              (randn(2, 2, 4, 8), randn(2, 2, 6, 8), randn(2, 2, 6, 8), pad)),
@@ -257,10 +279,14 @@ def _masked_cases() -> list[Case]:
         Case("float16 with a causal mask (4, 4): q, k, v (1, 2, 4, 8)",
              (randn(1, 2, 4, 8, dtype=torch.float16), randn(1, 2, 4, 8, dtype=torch.float16),
               randn(1, 2, 4, 8, dtype=torch.float16), causal_mask(4))),
+        Case("causal + left padding (2, 1, 5, 5), queries 0 and 1 of sequence 1 may attend to nothing: "
+             "q, k, v (2, 2, 5, 6), float32",
+             (randn(2, 2, 5, 6, dtype=torch.float32), randn(2, 2, 5, 6, dtype=torch.float32),
+              randn(2, 2, 5, 6, dtype=torch.float32), left_padded)),
     ]
 
 
-_PADDED, _CAUSAL_PADDED, _EMPTY_ROW, _HALF_CAUSAL = range(4)
+_PADDED, _CAUSAL_PADDED, _EMPTY_ROW, _HALF_CAUSAL, _LEFT_PADDED = range(5)
 
 
 def _scores(q, k):
@@ -312,25 +338,29 @@ def _judge_masked(cases, outcomes):
             hint = _diagnose_masked(got, q, k, v, mask) or ""
             expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("a query with nothing to attend to gets zeros, not NaN"):
-        case, outcome = cases[_EMPTY_ROW], outcomes[_EMPTY_ROW]
-        q, k, v, mask = case.args
-        got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
-        expected = scaled_dot_product_attention(q, k, v, mask)
-        expect_shape(got, expected.shape, what=case.name)
-        empty_row = got[..., 1, :]
-        if torch.isnan(empty_row).any():
-            raise Fail(
-                f"{case.name}: query 1's row is NaN. All its scores are -inf, and softmax of an all -inf row is "
-                "0 / 0. Give such rows zeros: e.g. torch.where(mask.any(dim=-1, keepdim=True), out, 0), or a softmax "
-                "that returns 0 for all -inf rows (your stable_softmax from lesson 01)."
-            )
-        if torch.allclose(empty_row.double(), v.double().mean(dim=-2), atol=1e-6):
-            raise Fail(
-                f"{case.name}: query 1 may attend to nothing, yet its output is the plain average of all values: a "
-                "finite fill value (like -1e9 or finfo.min) makes that row uniform. Fill with -inf and give empty "
-                "rows zeros."
-            )
-        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_masked(got, q, k, v, mask) or "")
+        for index, atol in ((_EMPTY_ROW, 1e-9), (_LEFT_PADDED, 1e-5)):
+            case, outcome = cases[index], outcomes[index]
+            q, k, v, mask = case.args
+            got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
+            expected = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask)
+            expect_shape(got, expected.shape, what=case.name)
+            empty = ~mask.any(dim=-1).expand(got.shape[:-1])  # (..., L): queries with nothing to attend to
+            if torch.isnan(got[empty]).any():
+                raise Fail(
+                    f"{case.name}: the rows of queries with nothing to attend to are NaN. All their scores are -inf, "
+                    "and softmax of an all -inf row is 0 / 0. Give such rows zeros: e.g. "
+                    "torch.where(mask.any(dim=-1, keepdim=True), out, 0), or a softmax that returns 0 for all -inf "
+                    "rows (your stable_softmax from lesson 01)."
+                )
+            uniform = v.double().mean(dim=-2, keepdim=True).expand(got.shape)  # (..., L, Dv)
+            if torch.allclose(got.double()[empty], uniform[empty], atol=1e-3):
+                raise Fail(
+                    f"{case.name}: the queries that may attend to nothing get the plain average of all values: a "
+                    "finite fill value (like -1e9 or finfo.min) makes those rows uniform. Fill with -inf and give "
+                    "empty rows zeros."
+                )
+            expect_close(got, expected, what=case.name, atol=atol, rtol=1e-5 if atol > 1e-9 else 1e-7,
+                         hint=_diagnose_masked(got, q, k, v, mask) or "")
     with checklist.check("works in float16 (no -1e9 literals)"):
         case, outcome = cases[_HALF_CAUSAL], outcomes[_HALF_CAUSAL]
         q, k, v, mask = case.args
@@ -345,7 +375,21 @@ def _judge_masked(cases, outcomes):
 
 
 def _masked_reference(q, k, v, mask):
-    return scaled_dot_product_attention(q, k, v, mask)
+    # Written out: the task forbids calling an attention implementation (the library's included).
+    # Half-precision inputs: scores and softmax in float32 (as the library does), weights rounded back.
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = _scores(q.to(work), k.to(work)).masked_fill(~mask, float("-inf"))  # (..., L, S)
+    return stable_softmax(scores).to(q.dtype) @ v  # (..., L, Dv); rows with nothing allowed give 0
+
+
+def _masked_torch_sdpa(q, k, v, mask):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _masked_course_sdpa(q, k, v, mask):
+    import attn_course as ac
+
+    return ac.scaled_dot_product_attention(q, k, v, mask)
 
 
 def _masked_minus_1e9(q, k, v, mask):
@@ -376,8 +420,9 @@ def _masked_ignores_mask(q, k, v, mask):
 
 
 def _masked_scales_q_in_place(q, k, v, mask):
-    q /= math.sqrt(q.shape[-1])
-    return scaled_dot_product_attention(q, k, v, mask, scale=1.0)
+    q /= math.sqrt(q.shape[-1])  # "saves a division" but changes the caller's q
+    scores = torch.matmul(q, k.transpose(-2, -1)).masked_fill(~mask, float("-inf"))  # (..., L, S)
+    return torch.matmul(stable_softmax(scores), v)  # (..., L, Dv)
 
 
 MASKED_ATTENTION = Task(
@@ -390,10 +435,178 @@ MASKED_ATTENTION = Task(
     wrong={
         "fills with -1e9": Wrong(_masked_minus_1e9, "does not fit in float16"),
         "polarity flipped (masked_fill(mask, -inf))": Wrong(_masked_flipped, "swapped"),
-        "NaN for a query with nothing to attend to": Wrong(_masked_nan_on_empty_rows, "row is NaN"),
+        "NaN for a query with nothing to attend to": Wrong(_masked_nan_on_empty_rows, "nothing to attend to are NaN"),
         "masks after the softmax without renormalising": Wrong(_masked_after_softmax, "without renormalising"),
         "multiplies the scores by the mask": Wrong(_masked_multiplies_scores, "exp(0) = 1"),
         "ignores the mask": Wrong(_masked_ignores_mask, "ignores the mask"),
         "scales q in place": Wrong(_masked_scales_q_in_place, "in place"),
+        # Delegations. Their float16 outputs differ from the reference's in the last bit (another summation
+        # order), which the catalogue's exact value comparison counts as "values"; the delegation rule is what
+        # rejects them (every other case: equal values).
+        "calls F.scaled_dot_product_attention": Wrong(
+            _masked_torch_sdpa, "you called torch.nn.functional.scaled_dot_product_attention"
+        ),
+        "calls attn_course.scaled_dot_product_attention": Wrong(
+            _masked_course_sdpa, "you called attn_course.scaled_dot_product_attention"
+        ),
+    },
+    # The task is masked attention itself: no attention implementation may do it for the learner.
+    forbidden=(
+        "attn_course.attention.scaled_dot_product_attention",
+        *probes.TORCH_ATTENTION,
+        *probes.TORCH_MULTIHEAD,
+    ),
+)
+
+
+# --- 03.cross_attention_mask (stretch) -------------------------------------------------------
+# In an encoder-decoder model, the decoder's queries (target tokens) attend to the encoder's
+# outputs (source tokens). Both batches are padded, so both sides have padding. The learner writes
+# cross_attention_mask(query_lengths, key_lengths, L, S) -> bool (B, 1, L, S), True where query i
+# is a real target token AND key j is a real source token (real tokens first). A padded query
+# attends to nothing: its row is empty, and the course's attention gives it a zero output.
+
+_CROSS_SETTINGS = [([3, 5], [6, 2], 5, 7), ([4, 1, 2], [2, 3, 3], 4, 3), ([0, 2], [4, 0], 3, 4), ([6], [6], 6, 6)]
+
+
+def _cross_cases() -> list[Case]:
+    return [
+        Case(f"cross_attention_mask(query_lengths=tensor({ql}), key_lengths=tensor({kl}), L={L}, S={S})",
+             (torch.tensor(ql), torch.tensor(kl), L, S))
+        for ql, kl, L, S in _CROSS_SETTINGS
+    ]
+
+
+def _cross_expected(query_lengths, key_lengths, L, S):
+    real_queries = padding_mask(query_lengths, L)  # (B, L)
+    real_keys = padding_mask(key_lengths, S)  # (B, S)
+    return real_queries[:, None, :, None] & real_keys[:, None, None, :]  # (B, 1, L, S)
+
+
+def _diagnose_cross(got, query_lengths, key_lengths, L, S) -> str:
+    real_queries = padding_mask(query_lengths, L)[:, None, :, None]  # (B, 1, L, 1)
+    real_keys = padding_mask(key_lengths, S)[:, None, None, :]  # (B, 1, 1, S)
+    expected = real_queries & real_keys
+    found = first_match(
+        got,
+        [
+            (lambda: real_keys.expand_as(expected),
+             "your mask blocks the padded keys but lets padded queries attend: block the whole row of a query that "
+             "is padding (query i is real when i < query_lengths[b])."),
+            (lambda: real_queries.expand_as(expected),
+             "your mask blocks padded queries but lets every query read padded keys: key j is real only when "
+             "j < key_lengths[b]."),
+            (lambda: real_queries | real_keys,
+             "you combined the two paddings with OR: a pair (i, j) may attend only when query i AND key j are real."),
+            (lambda: ~expected,
+             "True and False are swapped: in this course True means 'may attend'."),
+            (lambda: (torch.arange(L)[None, :] < key_lengths[:, None])[:, None, :, None]
+             & (torch.arange(S)[None, :] < query_lengths[:, None])[:, None, None, :],
+             "you used key_lengths for the queries (rows) and query_lengths for the keys (columns): the rows are the "
+             "decoder's target tokens, counted by query_lengths."),
+        ],
+    )
+    if found:
+        return found
+    b, _, i, j = (int(n) for n in (got != expected).nonzero()[0])
+    should = "may" if expected[b, 0, i, j] else "must not"
+    return (f"in batch element {b}, query {i} (query length {int(query_lengths[b])}) {should} attend to key {j} "
+            f"(key length {int(key_lengths[b])}).")
+
+
+def _cross_shape_hint(got, B, L, S) -> str:
+    shape = tuple(got.shape)
+    if shape == (B, L, S):
+        return ("Add the head axis: (B, 1, L, S) broadcasts over the heads of (B, H, L, S) scores, "
+                "while (B, L, S) would be read as (H, L, S) for a single sequence.")
+    if shape == (B, 1, S, L):
+        return "Rows are queries (L), columns are keys (S): you returned the transpose."
+    return "One mask per batch element, broadcast over heads: (B, 1, L, S)."
+
+
+def _judge_cross(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("returns a bool tensor of shape (B, 1, L, S)"):
+        for case, _, got in answered(cases, outcomes):
+            query_lengths, key_lengths, L, S = case.args
+            B = len(query_lengths)
+            expect_shape(got, (B, 1, L, S), what=case.name, hint=_cross_shape_hint(got, B, L, S))
+            expect_dtype(got, torch.bool, what=case.name, hint="Comparisons and & give bool tensors directly.")
+    for title, indices in (("query i may read key j exactly when both are real tokens (L != S)", (0, 1)),
+                           ("edge cases: empty sequences on either side, and no padding at all", (2, 3))):
+        with checklist.check(title):
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                query_lengths, key_lengths, L, S = case.args
+                got = returned(outcome, what=case.name)
+                expect_shape(got, (len(query_lengths), 1, L, S), what=case.name,
+                             hint=_cross_shape_hint(got, len(query_lengths), L, S))
+                if not torch.equal(got.bool(), _cross_expected(query_lengths, key_lengths, L, S)):
+                    raise Fail(f"{case.name}: {_diagnose_cross(got.bool(), query_lengths, key_lengths, L, S)}")
+    with checklist.check("leaves the lengths unchanged"):
+        for case, outcome, _ in answered(cases, outcomes):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _cross_reference(query_lengths, key_lengths, L, S):
+    real_queries = torch.arange(L)[None, :] < query_lengths[:, None]  # (B, L)
+    real_keys = torch.arange(S)[None, :] < key_lengths[:, None]  # (B, S)
+    return real_queries[:, None, :, None] & real_keys[:, None, None, :]  # (B, 1, L, S)
+
+
+def _cross_keys_only(query_lengths, key_lengths, L, S):
+    real_keys = torch.arange(S)[None, :] < key_lengths[:, None]  # (B, S)
+    return real_keys[:, None, None, :].expand(len(query_lengths), 1, L, S)
+
+
+def _cross_queries_only(query_lengths, key_lengths, L, S):
+    real_queries = torch.arange(L)[None, :] < query_lengths[:, None]  # (B, L)
+    return real_queries[:, None, :, None].expand(len(query_lengths), 1, L, S)
+
+
+def _cross_or(query_lengths, key_lengths, L, S):
+    real_queries = torch.arange(L)[None, :] < query_lengths[:, None]
+    real_keys = torch.arange(S)[None, :] < key_lengths[:, None]
+    return real_queries[:, None, :, None] | real_keys[:, None, None, :]
+
+
+def _cross_lengths_swapped(query_lengths, key_lengths, L, S):
+    return _cross_reference(key_lengths, query_lengths, L, S)
+
+
+def _cross_no_head_axis(query_lengths, key_lengths, L, S):
+    return _cross_reference(query_lengths, key_lengths, L, S)[:, 0]  # (B, L, S)
+
+
+def _cross_transposed(query_lengths, key_lengths, L, S):
+    return _cross_reference(query_lengths, key_lengths, L, S).transpose(-2, -1)  # (B, 1, S, L)
+
+
+def _cross_flipped(query_lengths, key_lengths, L, S):
+    return ~_cross_reference(query_lengths, key_lengths, L, S)
+
+
+def _cross_float(query_lengths, key_lengths, L, S):
+    return _cross_reference(query_lengths, key_lengths, L, S).float()
+
+
+CROSS_ATTENTION_MASK = Task(
+    id="03.cross_attention_mask",
+    title="Encoder-decoder (cross-attention) mask, padding on both sides",
+    function_name="cross_attention_mask",
+    make_cases=_cross_cases,
+    judge=_judge_cross,
+    reference=_cross_reference,
+    stretch=True,
+    wrong={
+        "key padding only": Wrong(_cross_keys_only, "lets padded queries attend"),
+        "query padding only": Wrong(_cross_queries_only, "read padded keys"),
+        "OR instead of AND": Wrong(_cross_or, "with OR"),
+        "query and key lengths swapped": Wrong(_cross_lengths_swapped, "used key_lengths for the queries"),
+        "no head axis (B, L, S)": Wrong(_cross_no_head_axis, "Add the head axis"),
+        "transposed (B, 1, S, L)": Wrong(_cross_transposed, "you returned the transpose"),
+        "polarity flipped": Wrong(_cross_flipped, "swapped"),
+        "float 0/1 instead of bool": Wrong(_cross_float, "dtype torch.float32", kind="contract"),
     },
 )

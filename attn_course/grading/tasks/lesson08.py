@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -15,7 +17,7 @@ from ..core import Case, Fail, Task, Wrong
 from ..judging import NOT_IMPLEMENTED, Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
-__all__ = ["ATTENTION_ENTROPY", "QK_NORM_ATTENTION", "FIRST_NONFINITE_MODULE"]
+__all__ = ["ATTENTION_ENTROPY", "QK_NORM_ATTENTION", "FIRST_NONFINITE_MODULE", "FIRST_NONFINITE_GRADIENT"]
 
 
 # --- 08.attention_entropy ------------------------------------------------------------------
@@ -122,6 +124,11 @@ def _judge_entropy(cases, outcomes):
 
 
 def _entropy_reference(weights):
+    safe = torch.where(weights > 0, weights, torch.ones_like(weights))  # log 1 = 0 where w = 0
+    return -(weights * torch.log(safe)).sum(dim=-1)  # (..., L)
+
+
+def _entropy_delegates(weights):
     return attention_entropy(weights)
 
 
@@ -156,7 +163,8 @@ def _entropy_clamps_in_place(weights):
 
 
 def _entropy_normalized(weights):
-    return attention_entropy(weights) / math.log(weights.shape[-1])
+    safe = torch.where(weights > 0, weights, torch.ones_like(weights))
+    return -(weights * torch.log(safe)).sum(dim=-1) / math.log(weights.shape[-1])
 
 
 ATTENTION_ENTROPY = Task(
@@ -175,7 +183,12 @@ ATTENTION_ENTROPY = Task(
         "one number for everything (the article's check)": Wrong(_entropy_article_scalar, "one entropy per row"),
         "clamps the weights in place": Wrong(_entropy_clamps_in_place, "in place", kind="contract"),
         "normalised by log(S)": Wrong(_entropy_normalized, "normalised entropy"),
+        "calls attn_course.attention_entropy": Wrong(
+            _entropy_delegates, "you called attn_course.attention_entropy", kind="algorithm"
+        ),
     },
+    # The task is the entropy with 0 log 0 = 0: the course's diagnostics may not compute it for the learner.
+    forbidden=("attn_course.diagnostics.attention_entropy", "attn_course.diagnostics.attention_stats"),
 )
 
 
@@ -190,6 +203,8 @@ def _qk_cases() -> list[Case]:
 
     zero_query = randn(1, 2, 4, 8, std=5.0)  # (B, H, L, D)
     zero_query[0, 1, 2] = 0.0  # one query vector is exactly zero
+    zero_key = randn(2, 3, 8, std=20.0, dtype=torch.float32)  # (B, S, D)
+    zero_key[1, 2] = 0.0  # one key vector is exactly zero
     return [
         Case("huge q and k (std 30): q (2, 2, 5, 8), k, v (2, 2, 6, 8), scale 4.0, float64",
              (randn(2, 2, 5, 8, std=30.0), randn(2, 2, 6, 8, std=30.0), randn(2, 2, 6, 8), 4.0)),
@@ -197,9 +212,8 @@ def _qk_cases() -> list[Case]:
              (randn(3, 4, 16), randn(3, 7, 16, std=0.1), randn(3, 7, 5), 10.0)),
         Case("one query vector is all zeros: q (1, 2, 4, 8), k, v (1, 2, 4, 8), scale 2.0, float64",
              (zero_query, randn(1, 2, 4, 8), randn(1, 2, 4, 8), 2.0)),
-        Case("float32: q (2, 3, 8), k, v (2, 3, 8), scale 5.0",
-             (randn(2, 3, 8, dtype=torch.float32), randn(2, 3, 8, std=20.0, dtype=torch.float32),
-              randn(2, 3, 8, dtype=torch.float32), 5.0)),
+        Case("float32, one key vector all zeros: q (2, 3, 8), k, v (2, 3, 8), scale 5.0",
+             (randn(2, 3, 8, dtype=torch.float32), zero_key, randn(2, 3, 8, dtype=torch.float32), 5.0)),
     ]
 
 
@@ -428,10 +442,33 @@ _SEQUENTIAL, _NESTED, _OVERFLOW, _ORDER, _HEALTHY = range(5)
 
 
 def _first_nonfinite_reference(model, x):
+    """The judge's answer: the library's NaN hunter."""
     with find_nonfinite(model) as tracker:
         model(x)
     event = tracker.first
     return None if event is None else event.name
+
+
+def _first_nonfinite_written_out(model, x):
+    """The task's reference: forward hooks, written out (the library's find_nonfinite is forbidden)."""
+    bad, handles = [], []
+    for name, module in model.named_modules():
+        def hook(module, args, output, name=name):
+            if not bad and not torch.isfinite(output).all():
+                bad.append(name)
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return bad[0] if bad else None
+
+
+def _nonfinite_delegates(model, x):
+    return _first_nonfinite_reference(model, x)
 
 
 def _bad_modules(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]:
@@ -601,13 +638,357 @@ FIRST_NONFINITE_MODULE = Task(
     function_name="first_nonfinite_module",
     make_cases=_nonfinite_cases,
     judge=_judge_nonfinite,
-    reference=_first_nonfinite_reference,
+    reference=_first_nonfinite_written_out,
     wrong={
         "returns the last module to report (a container)": Wrong(_nonfinite_last_reported, "container"),
         "tests isnan only": Wrong(_nonfinite_isnan_only, "torch.isfinite"),
         "reports the first bad input": Wrong(_nonfinite_first_bad_input, "INPUT was already bad"),
         "definition order instead of execution order": Wrong(_nonfinite_definition_order, "definition order"),
         "checks the parameters, not the outputs": Wrong(_nonfinite_checks_parameters, "found nothing"),
+        "calls attn_course.find_nonfinite": Wrong(
+            _nonfinite_delegates, "you called attn_course.find_nonfinite", kind="algorithm"
+        ),
     },
+    forbidden=("attn_course.diagnostics.find_nonfinite",),
 )
 
+
+
+# --- 08.first_nonfinite_gradient (stretch) ---------------------------------------------------
+# The learner writes first_nonfinite_gradient(model, x): run model(x).sum().backward() once and
+# return the qualified name of the first module, in the order the backward pass reaches them,
+# whose gradient with respect to its input (what it passes back) holds a NaN or an inf; None if
+# every such gradient is finite. The forward pass is finite in every case: these are the bugs a
+# forward hook cannot see (lesson 08, 4.1: a finite loss with a NaN gradient).
+
+
+class _ClampedNorm(nn.Module):
+    """RMS normalisation with the clamp AFTER the square root: finite forward, NaN backward on a zero row.
+
+    ``sqrt`` has an infinite slope at 0; the clamp passes back a zero gradient there, and
+    ``0 * inf`` is NaN. (Clamping the mean square before the root, or adding eps inside it, is right.)
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.pow(2).mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-6)
+
+
+class _Sqrt(nn.Module):
+    """``sqrt(x)`` for x >= 0: the gradient at exactly 0 is inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+class _Clamp(nn.Module):
+    """``x.clamp(-1, 1)``: passes back a zero gradient where it clamped."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-1.0, 1.0)
+
+
+class _Acos(nn.Module):
+    """``acos(x)``: finite on [-1, 1], but its slope is infinite at exactly -1 and 1 (a clamped cosine)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.acos(x)
+
+
+class _NormBlock(nn.Module):
+    """A pre-norm residual MLP block, ``x + mlp(norm(x))``, with the faulty norm."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.norm = _ClampedNorm()
+        self.mlp = nn.Sequential(nn.Linear(features, 2 * features), nn.GELU(), nn.Linear(2 * features, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class _NormNet(nn.Module):
+    """Embedding without bias (a zero input row stays zero), three blocks, a read-out."""
+
+    def __init__(self, features: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, features, bias=False)
+        self.blocks = nn.ModuleList(_NormBlock(features) for _ in range(depth))
+        self.head = nn.Linear(features, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _BackwardOutOfOrder(nn.Module):
+    """Defined ``inner``, ``head``, ``culprit``, ``outer`` but run ``outer -> inner -> culprit -> head``.
+
+    ``culprit`` (the faulty norm, on a zero row) passes back NaN; ``inner``, which runs before it,
+    then passes the damage on -- and is defined first.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 2)
+        self.culprit = _ClampedNorm()
+        self.outer = nn.Linear(4, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.culprit(self.inner(self.outer(x))))
+
+
+def _gradient_cases() -> list[Case]:
+    with torch.random.fork_rng():  # seeded module initialisation, without touching the caller's RNG
+        torch.manual_seed(8)
+        return _build_gradient_cases()
+
+
+def _build_gradient_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(880)
+    x = 3 * torch.randn(6, 4, generator=gen)  # (N, 4): large enough that some cosines get clamped
+    x[2] = 0.0  # a zero row: the faulty norm's mean square is exactly 0 there
+    plain = nn.Sequential(nn.Linear(4, 8, bias=False), _ClampedNorm(), nn.Linear(8, 2))
+    clamped_acos = nn.Sequential(nn.Linear(4, 8), _Clamp(), _Acos(), nn.Linear(8, 2))
+    relu_sqrt = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), _Sqrt(), nn.Linear(8, 2))
+    return [
+        Case("nn.Sequential(Linear, a norm that clamps after the square root, Linear), one input row all zeros",
+             (plain, x)),
+        Case("a nested model (embed, blocks.0-2 with that norm, head), one input row all zeros", (_NormNet(), x)),
+        Case("nn.Sequential(Linear, clamp(-1, 1), acos, Linear): acos has an infinite slope at +-1", (clamped_acos, x)),
+        Case("nn.Sequential(Linear, ReLU, sqrt, Linear): sqrt(0) = 0, but its slope there is infinite", (relu_sqrt, x)),
+        Case("a model whose modules run in another order than they are defined, one input row all zeros",
+             (_BackwardOutOfOrder(), x)),
+        Case("a healthy model (every gradient finite)", (_Net(), x)),
+    ]
+
+
+_G_PLAIN, _G_NESTED, _G_ACOS, _G_SQRT, _G_ORDER, _G_HEALTHY = range(6)
+
+
+def _first_nonfinite_gradient_reference(model, x):
+    """The judge's answer: the library's NaN hunter, watching the backward pass."""
+    with find_nonfinite(model, backward=True) as tracker:
+        model(x).sum().backward()
+    event = tracker.first_backward
+    return None if event is None else event.name
+
+
+def _first_nonfinite_gradient_written_out(model, x):
+    """The task's reference: full backward hooks, written out (find_nonfinite is forbidden)."""
+    bad = _gradient_hooks(model, x, test=_nonfinite)
+    return bad[0] if bad else None
+
+
+def _gradient_delegates(model, x):
+    return _first_nonfinite_gradient_reference(model, x)
+
+
+def _backward_reports(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]:
+    """What the classic mistakes would name, worked out by the judge on its own copy of the case.
+
+    ``input``: modules whose grad_input is non-finite, in the order backward reports them;
+    ``nan_input``: the same with NaN only; ``output``: modules whose grad_output is non-finite;
+    ``parameters``: modules with a non-finite parameter gradient, in definition order.
+    """
+    found: dict[str, list[str]] = {"input": [], "nan_input": [], "output": [], "parameters": []}
+    handles = []
+
+    def bad(grads, test) -> bool:
+        return any(isinstance(g, torch.Tensor) and test(g) for g in grads)
+
+    for name, module in model.named_modules():
+        def hook(module, grad_input, grad_output, name=name or "(model)"):
+            if bad(grad_input, lambda g: not torch.isfinite(g).all()):
+                found["input"].append(name)
+            if bad(grad_input, lambda g: torch.isnan(g).any()):
+                found["nan_input"].append(name)
+            if bad(grad_output, lambda g: not torch.isfinite(g).all()):
+                found["output"].append(name)
+
+        handles.append(module.register_full_backward_hook(hook))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, module in model.named_modules():
+        if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in module.parameters(recurse=False)):
+            found["parameters"].append(name)
+    return found
+
+
+def _diagnose_gradient(got: object, case: Case, expected: str | None) -> str:
+    model, x = case.args
+    model = copy.deepcopy(model)  # the judge's own copy: the case stays as it was built
+    names = [name for name, _ in model.named_modules()]
+    found = _backward_reports(model, x)
+    if got is None:
+        hint = (
+            f"you found nothing, but module {expected!r} passes back a non-finite gradient. The forward pass is "
+            "finite here: call model(x).sum().backward() and watch what each module passes back, with "
+            "module.register_full_backward_hook(hook): hook(module, grad_input, grad_output) sees the gradient with "
+            "respect to the module's inputs in grad_input."
+        )
+        if found["input"] and not found["nan_input"]:
+            hint += " The gradient here is inf, not NaN: test with torch.isfinite, which catches both."
+        return hint
+    if expected is None:
+        return f"every gradient of this model is finite, yet you named {got!r}. Return None when nothing is non-finite."
+    if got not in names and got != "(model)":
+        return f"{got!r} is not a module name: return a name from model.named_modules(), e.g. {expected!r}."
+    if got in ("", "(model)") or expected.startswith(got + "."):
+        who = "the model itself" if got in ("", "(model)") else repr(got)
+        return (
+            f"you named {who}, a container around the culprit {expected!r}. A container's backward hook fires after "
+            "its children's (it sees the gradient with respect to the container's input, which is computed last): "
+            "the first module to report is the one that made the bad value."
+        )
+    # Several mistakes can name the same module: say every one that would.
+    causes = []
+    if found["input"] and got == found["input"][-1]:
+        causes.append(
+            "you kept the LAST module to report; a NaN spreads backwards to every module before the culprit, so "
+            "keep the first one whose hook reports"
+        )
+    if found["nan_input"] and got == found["nan_input"][0]:
+        causes.append(
+            f"{got!r} is the first module to pass back a NaN, but {expected!r} passed back an inf before it, which "
+            "is just as broken (the NaN came from it): test with torch.isfinite, not torch.isnan"
+        )
+    if found["output"] and got == found["output"][0]:
+        causes.append(
+            f"the gradient ARRIVING at {got!r} from later layers (grad_output) was already bad: check grad_input, "
+            "what each module passes back"
+        )
+    definition_first = next((name for name in names if name in found["input"]), None)
+    if got == definition_first:
+        causes.append(
+            "backward runs from the loss towards the input: record modules in the order their hooks fire, not in "
+            "definition order (model.named_modules()), and keep the first"
+        )
+    if got in found["parameters"]:
+        causes.append(
+            f"{got!r}'s parameters got non-finite gradients, but a NaN spreads to every parameter before the culprit: "
+            "watch the gradients flowing between modules (grad_input of full backward hooks) instead"
+        )
+    lead = f"you named {got!r}; the first module to pass back a NaN/inf gradient is {expected!r}."
+    if not causes:
+        return lead
+    return lead + " " + " Or: ".join(cause[0].upper() + cause[1:] + "." for cause in causes)
+
+
+def _judge_gradient(cases, outcomes):
+    checklist = Checklist()
+    expected = [_first_nonfinite_gradient_reference(copy.deepcopy(case.args[0]), case.args[1]) for case in cases]
+
+    def answer(index: int) -> object:
+        outcome = outcomes[index]
+        if outcome.not_implemented:
+            raise Fail(NOT_IMPLEMENTED)
+        if outcome.error is not None:
+            raise Fail(f"{cases[index].name}: your function raised {outcome.error}")
+        return outcome.returned
+
+    with checklist.check("returns a module name (str) or None"):
+        for index, case in enumerate(cases):
+            got = answer(index)
+            if got is not None and not isinstance(got, str):
+                raise Fail(
+                    f"{case.name}: you returned a {type(got).__name__}; return the module's name (a str) or None."
+                )
+    for title, indices in (
+        ("names the module that passes back a NaN in a plain nn.Sequential", (_G_PLAIN,)),
+        ("nested model: the innermost module, not a container", (_G_NESTED,)),
+        ("an inf gradient counts, not only a NaN: acos of a clamped cosine", (_G_ACOS,)),
+        ("an inf gradient counts, not only a NaN: a square root after a ReLU", (_G_SQRT,)),
+        ("backward order, not definition order", (_G_ORDER,)),
+        ("a healthy model gives None", (_G_HEALTHY,)),
+    ):
+        with checklist.check(title):
+            for index in indices:
+                got = answer(index)
+                if got != expected[index]:
+                    raise Fail(f"{cases[index].name}: {_diagnose_gradient(got, cases[index], expected[index])}")
+    return checklist.results
+
+
+def _gradient_hooks(model, x, *, test, use_output=False):
+    """Helper for the catalogue: names, in the order backward reports them, whose grad_input (or grad_output) fails ``test``."""
+    bad, handles = [], []
+    for name, module in model.named_modules():
+        def hook(module, grad_input, grad_output, name=name):
+            grads = grad_output if use_output else grad_input
+            if any(isinstance(g, torch.Tensor) and test(g) for g in grads):
+                bad.append(name)
+
+        handles.append(module.register_full_backward_hook(hook))
+    try:
+        with warnings.catch_warnings():  # the first layer's hook fires although its input needs no gradient
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            model(x).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return bad
+
+
+def _gradient_last_reported(model, x):
+    bad = _gradient_hooks(model, x, test=_nonfinite)
+    return bad[-1] if bad else None
+
+
+def _gradient_isnan_only(model, x):
+    bad = _gradient_hooks(model, x, test=lambda g: bool(torch.isnan(g).any()))
+    return bad[0] if bad else None
+
+
+def _gradient_checks_grad_output(model, x):
+    bad = _gradient_hooks(model, x, test=_nonfinite, use_output=True)
+    return bad[0] if bad else None
+
+
+def _gradient_definition_order(model, x):
+    bad = set(_gradient_hooks(model, x, test=_nonfinite))
+    return next((name for name, _ in model.named_modules() if name in bad), None)
+
+
+def _gradient_checks_parameters(model, x):
+    model(x).sum().backward()
+    for name, module in model.named_modules():
+        if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in module.parameters(recurse=False)):
+            return name
+    return None
+
+
+def _gradient_forward_only(model, x):
+    bad = _record_with_hooks(model, x, test=_nonfinite)  # forward hooks: every output here is finite
+    return bad[0] if bad else None
+
+
+FIRST_NONFINITE_GRADIENT = Task(
+    id="08.first_nonfinite_gradient",
+    title="Find the first module whose gradient is NaN/inf",
+    function_name="first_nonfinite_gradient",
+    make_cases=_gradient_cases,
+    judge=_judge_gradient,
+    reference=_first_nonfinite_gradient_written_out,
+    wrong={
+        "watches the forward pass only": Wrong(_gradient_forward_only, "found nothing"),
+        "returns the last module to report": Wrong(_gradient_last_reported, "LAST module"),
+        "tests isnan only": Wrong(_gradient_isnan_only, "torch.isfinite"),
+        "checks grad_output instead of grad_input": Wrong(_gradient_checks_grad_output, "ARRIVING"),
+        "definition order instead of backward order": Wrong(_gradient_definition_order, "definition order"),
+        "checks the parameters' gradients": Wrong(_gradient_checks_parameters, "parameters got non-finite gradients"),
+        "calls attn_course.find_nonfinite": Wrong(
+            _gradient_delegates, "you called attn_course.find_nonfinite", kind="algorithm"
+        ),
+    },
+    stretch=True,
+    forbidden=("attn_course.diagnostics.find_nonfinite",),
+)

@@ -1,4 +1,5 @@
-"""Graded tasks for lesson 10 (Conformer): the relative shift, the padding-aware convolution module."""
+"""Graded tasks for lesson 10 (Conformer): the relative shift, the padding-aware convolution module,
+and (stretch) one step of a streaming, causal convolution module."""
 
 from __future__ import annotations
 
@@ -7,21 +8,35 @@ import torch.nn.functional as F
 
 from ...conformer import ConvolutionModule
 from ...masks import padding_mask
-from ...positional import rel_shift
 from ..core import Case, Fail, Task, Wrong
-from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned
+from ..judging import (
+    Checklist,
+    expect_close,
+    expect_dtype,
+    expect_inputs_unchanged,
+    expect_largest_below,
+    expect_shape,
+)
+from ._common import answered, first_match, returned, seeded_randn
 
-__all__ = ["REL_SHIFT", "CONV_MODULE"]
+__all__ = ["REL_SHIFT", "CONV_MODULE", "STREAMING_CONV"]
 
 
 # --- 10.rel_shift ----------------------------------------------------------------------------
 # rel_shift(scores): (..., L, 2L-1) -> (..., L, L) with out[..., i, j] = scores[..., i, L-1-i+j]
 # (column c of the input holds offset L-1-c; the output is indexed by key j, offset i - j).
 
+_REL_SHIFT_FORBIDDEN = ("attn_course.positional.rel_shift",)
+# A shift keeps its intermediates about the size of `scores`: the Transformer-XL trick pads one
+# column ((..., L, 2L): measured 4,608 and 4,096 elements on the two long cases, 1.01x the input),
+# a gather or a loop makes only the (..., L, L) output. A one-hot selection tensor (L, L, 2L-1) is
+# L / batch times the input: measured 218,880 and 64,512 elements (48x and 16x), so a limit of 4x
+# separates them with room on both sides.
+_REL_SHIFT_LARGEST_FACTOR = 4
+
 
 def _column_codes(shape: tuple[int, ...]) -> torch.Tensor:
-    """scores[..., i, c] = 1000 * (batch index) + 100 * i + c: every entry says where it came from."""
+    """scores[..., i, c] = 10000 * (batch index) + 100 * i + c: every entry says where it came from."""
     *batch, L, width = shape
     n = 1
     for size in batch:
@@ -29,12 +44,21 @@ def _column_codes(shape: tuple[int, ...]) -> torch.Tensor:
     b = torch.arange(n, dtype=torch.float64).reshape(*batch, 1, 1) if batch else torch.zeros(1, 1, dtype=torch.float64)
     i = torch.arange(L, dtype=torch.float64)[:, None]  # (L, 1)
     c = torch.arange(width, dtype=torch.float64)[None, :]  # (1, 2L-1)
-    return (1000 * b + 100 * i + c).expand(*shape).clone()  # (..., L, 2L-1)
+    return (10000 * b + 100 * i + c).expand(*shape).clone()  # (..., L, 2L-1)
+
+
+_REL_SHIFT_SHAPES = [(4, 7), (3, 2, 3), (2, 3, 5, 9), (1, 48, 95), (2, 32, 63), (1, 1, 1)]
 
 
 def _rel_shift_cases() -> list[Case]:
-    shapes = [(4, 7), (2, 3, 5, 9), (1, 1, 1)]
-    return [Case(f"rel_shift(scores of shape {shape})", (_column_codes(shape),)) for shape in shapes]
+    return [Case(f"rel_shift(scores of shape {shape})", (_column_codes(shape),)) for shape in _REL_SHIFT_SHAPES]
+
+
+def _rel_shift_reference(scores):
+    """The Transformer-XL shift, written out (the task forbids calling the library's)."""
+    *batch, L, width = scores.shape
+    padded = F.pad(scores, (1, 0)).reshape(*batch, 2 * L, L)  # (..., 2L, L): a zero column in front, rows re-cut
+    return padded[..., 1:, :].reshape(*batch, L, 2 * L - 1)[..., :L]  # (..., L, L)
 
 
 def _pick(scores: torch.Tensor, column) -> torch.Tensor:
@@ -68,7 +92,26 @@ def _shift_pad_right(scores):
     return padded[..., 1:, :].reshape(*batch, L, 2 * L - 1)[..., :L]
 
 
-def _rel_shift_reference(scores):
+def _shift_selection_tensor(scores):
+    """Right values, wrong algorithm: a one-hot (L, L, 2L-1) tensor picks each (i, j)'s column."""
+    L, width = scores.shape[-2:]
+    column = (L - 1) - torch.arange(L)[:, None] + torch.arange(L)[None, :]  # (L, L)
+    select = F.one_hot(column, width).to(scores.dtype)  # (L, L, 2L-1)
+    return torch.einsum("...ic,ijc->...ij", scores, select)  # (..., L, L)
+
+
+def _shift_float32_loop(scores):
+    """Right values in the wrong dtype: the output allocated with torch.zeros' default float32."""
+    L = scores.shape[-2]
+    out = torch.zeros(*scores.shape[:-1], L)  # float32, whatever the input
+    for i in range(L):
+        out[..., i, :] = scores[..., i, L - 1 - i : 2 * L - 1 - i]
+    return out
+
+
+def _shift_calls_the_library(scores):
+    from attn_course.positional import rel_shift
+
     return rel_shift(scores)
 
 
@@ -101,22 +144,36 @@ def _diagnose_shift(got, scores) -> str:
 
 def _judge_rel_shift(cases, outcomes):
     checklist = Checklist()
-    with checklist.check("returns (..., L, L)"):
+    with checklist.check("returns (..., L, L) in the input's dtype"):
         for case, _, got in answered(cases, outcomes):
             (scores,) = case.args
             L = scores.shape[-2]
             expect_shape(got, (*scores.shape[:-1], L), what=case.name, hint="One score per (query, key) pair.")
-    for title, indices in (("out[i, j] holds the score of offset i - j", (0,)),
-                           ("any batch shape, and L = 1", (1, 2))):
+            expect_dtype(got, scores.dtype, what=case.name,
+                         hint="Build the result from `scores` (or pass dtype=scores.dtype to torch.zeros).")
+    for title, indices in (("out[i, j] holds the score of offset i - j", (0, 1)),
+                           ("any batch shape, long rows, and L = 1", (2, 3, 4, 5))):
         with checklist.check(title):
             for index in indices:
                 case, outcome = cases[index], outcomes[index]
                 (scores,) = case.args
                 got = returned(outcome, what=case.name)
-                expected = rel_shift(scores)
+                expected = _rel_shift_reference(scores)
                 expect_shape(got, expected.shape, what=case.name)
                 if not torch.equal(got.double(), expected):
                     raise Fail(f"{case.name}: {_diagnose_shift(got, scores)}")
+    with checklist.check("keeps its intermediates about the size of scores"):
+        for index in (3, 4):
+            case, outcome = cases[index], outcomes[index]
+            (scores,) = case.args
+            L = scores.shape[-2]
+            returned(outcome, what=case.name)  # an error or a stub is reported first
+            expect_largest_below(
+                outcome, _REL_SHIFT_LARGEST_FACTOR * scores.numel(), what=case.name,
+                constraint=f"the shift only moves entries of scores ({scores.numel():,} of them); a selection tensor "
+                f"of shape (L, L, 2L-1) = ({L}, {L}, {2 * L - 1}) grows like L^3. Pad, reshape and slice "
+                "(or gather with an (L, L) index) instead.",
+            )
     with checklist.check("leaves scores unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -136,7 +193,13 @@ REL_SHIFT = Task(
         "row i shifted by i": Wrong(_shift_by_row, "shift it by L - 1 - i"),
         "last L columns for every row": Wrong(_shift_last_columns, "depend on the row"),
         "zero column padded at the end": Wrong(_shift_pad_right, "goes in front"),
+        "one-hot (L, L, 2L-1) selection tensor": Wrong(_shift_selection_tensor, "grows like L^3", kind="algorithm"),
+        "calls attn_course's rel_shift": Wrong(_shift_calls_the_library, "you called", kind="algorithm"),
+        "float32 output for float64 scores": Wrong(_shift_float32_loop, "dtype", kind="contract"),
     },
+    measure=("largest",),
+    forbidden=_REL_SHIFT_FORBIDDEN,
+    accepted={},
 )
 
 
@@ -150,24 +213,28 @@ _WEIGHT_NAMES = (
     "batch_norm.weight", "batch_norm.bias", "batch_norm.running_mean", "batch_norm.running_var",
     "pointwise2.weight", "pointwise2.bias",
 )
+_CONV_FORBIDDEN = ("attn_course.conformer.ConvolutionModule",)
+
+
+def _random_weights(randn, E: int, K: int, *, causal: bool = False) -> dict[str, torch.Tensor]:
+    """Every weight of a ConvolutionModule(E, kernel_size=K), drawn at random (non-trivial BatchNorm statistics)."""
+    with torch.random.fork_rng(devices=[]):  # the module's init must not move the learner's random state
+        state = ConvolutionModule(E, kernel_size=K, dropout=0.0, causal=causal, dtype=torch.float64).state_dict()
+    weights = {}
+    for name in _WEIGHT_NAMES:
+        value = randn(*state[name].shape, std=0.5)
+        weights[name] = value.abs() + 0.5 if name == "batch_norm.running_var" else value
+    return weights
 
 
 def _conv_cases() -> list[Case]:
-    gen = torch.Generator().manual_seed(1010)
+    randn = seeded_randn(1010)
     cases = []
     for B, T, E, K, lengths in [(2, 9, 6, 5, [9, 6]), (3, 12, 8, 7, [12, 5, 9]), (1, 7, 4, 3, [7])]:
-        x = torch.randn(B, T, E, generator=gen, dtype=torch.float64)
+        x = randn(B, T, E)
         keep = padding_mask(torch.tensor(lengths), T)  # (B, T)
-        x = torch.where(keep[:, :, None], x, 50.0 * torch.randn(B, T, E, generator=gen, dtype=torch.float64))
-        with torch.random.fork_rng(devices=[]):  # the module's init must not move the learner's random state
-            state = ConvolutionModule(E, kernel_size=K, dropout=0.0, dtype=torch.float64).state_dict()
-        weights = {}
-        for name in _WEIGHT_NAMES:
-            value = torch.randn(state[name].shape, generator=gen, dtype=torch.float64) * 0.5
-            if name == "batch_norm.running_var":
-                value = value.abs() + 0.5
-            weights[name] = value
-        cases.append(Case(f"x (B={B}, T={T}, E={E}), kernel {K}, lengths {lengths}", (x, keep, weights)))
+        x = torch.where(keep[:, :, None], x, randn(B, T, E, std=50.0))
+        cases.append(Case(f"x (B={B}, T={T}, E={E}), kernel {K}, lengths {lengths}", (x, keep, _random_weights(randn, E, K))))
     return cases
 
 
@@ -192,10 +259,11 @@ def _conv_variant(x, keep, w, *, zero_padding=True, glu="ok", activation=F.silu,
     return y.transpose(1, 2)  # (B, T, E)
 
 
-def _conv_expected(x, keep, weights):
+def _conv_expected(x, keep, weights, *, causal=False):
+    """The library's module with these weights, in evaluation mode (used by the judges, never by learners)."""
     E = x.shape[-1]
     K = weights["depthwise.weight"].shape[-1]
-    module = ConvolutionModule(E, kernel_size=K, dropout=0.0, dtype=x.dtype)
+    module = ConvolutionModule(E, kernel_size=K, dropout=0.0, causal=causal, dtype=x.dtype)
     module.load_state_dict({**weights, "batch_norm.num_batches_tracked": torch.tensor(0)})
     with torch.no_grad():
         return module.eval()(x, keep)  # (B, T, E)
@@ -225,6 +293,34 @@ def _conv_swish_before_bn(x, keep, w):
     return _conv_variant(x, keep, w, bn_first=False)
 
 
+def _conv_padding_zeroed_in_place(x, keep, w):
+    """Right real frames, but it zeroes the caller's padded input frames in place."""
+    x.masked_fill_(~keep[:, :, None], 0.0)
+    return _conv_variant(x, keep, w)
+
+
+def _conv_eps_added_in_place(x, keep, w):
+    """Right values, but the caller's running variance gets eps added in place."""
+    w["batch_norm.running_var"].add_(1e-5)
+    y = F.layer_norm(x, x.shape[-1:], w["norm.weight"], w["norm.bias"], 1e-5)  # (B, T, E)
+    y = F.glu(F.conv1d(y.transpose(1, 2), w["pointwise1.weight"], w["pointwise1.bias"]), dim=1)  # (B, E, T)
+    y = y.masked_fill(~keep[:, None, :], 0.0)
+    K = w["depthwise.weight"].shape[-1]
+    y = F.conv1d(y, w["depthwise.weight"], w["depthwise.bias"], padding=K // 2, groups=y.shape[1])  # (B, E, T)
+    y = (y - w["batch_norm.running_mean"][:, None]) / w["batch_norm.running_var"][:, None].sqrt()
+    y = F.silu(y * w["batch_norm.weight"][:, None] + w["batch_norm.bias"][:, None])  # (B, E, T)
+    return F.conv1d(y, w["pointwise2.weight"], w["pointwise2.bias"]).transpose(1, 2)  # (B, T, E)
+
+
+def _conv_calls_the_library(x, keep, w):
+    from attn_course.conformer import ConvolutionModule as Module
+
+    module = Module(x.shape[-1], kernel_size=w["depthwise.weight"].shape[-1], dropout=0.0, dtype=x.dtype)
+    module.load_state_dict(w, strict=False)
+    with torch.no_grad():
+        return module.eval()(x, keep)
+
+
 def _diagnose_conv(got, x, keep, w) -> str | None:
     def variant(**changes):
         return lambda: _conv_variant(x, keep, w, **changes)[keep]
@@ -245,6 +341,18 @@ def _diagnose_conv(got, x, keep, w) -> str | None:
         atol=1e-9,
         rtol=1e-7,
     )
+
+
+def _expect_unchanged(case: Case, outcome, *, what: str) -> None:
+    """Tensor arguments and the tensors of a weights dict must come back as they went in."""
+    expect_inputs_unchanged(case, outcome, what=what)
+    for before, after in zip(case.args, outcome.args_after):
+        if isinstance(before, dict) and isinstance(after, dict):
+            for name, value in before.items():
+                changed = after.get(name)
+                if not isinstance(changed, torch.Tensor) or changed.shape != value.shape or not torch.equal(changed, value):
+                    raise Fail(f"{what} changed weights[{name!r}] in place (e.g. with `.add_()` or `+=`). Work on a "
+                               "new tensor: the weights belong to the caller and are used again.")
 
 
 def _judge_conv(cases, outcomes):
@@ -269,7 +377,7 @@ def _judge_conv(cases, outcomes):
                              hint=_diagnose_conv(got[keep], x, keep, weights) or "")
     with checklist.check("leaves x, keep and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
-            expect_inputs_unchanged(case, outcome, what=case.name)
+            _expect_unchanged(case, outcome, what=case.name)
     return checklist.results
 
 
@@ -286,5 +394,250 @@ CONV_MODULE = Task(
         "ReLU instead of Swish": Wrong(_conv_relu, "Swish"),
         "no LayerNorm": Wrong(_conv_no_layernorm, "LayerNorm"),
         "Swish before BatchNorm": Wrong(_conv_swish_before_bn, "depthwise conv -> BatchNorm -> Swish"),
+        "padded input frames zeroed in place": Wrong(_conv_padding_zeroed_in_place, "in place", kind="contract"),
+        "eps added to the running variance in place": Wrong(_conv_eps_added_in_place, "changed weights", kind="contract"),
+        "calls attn_course's ConvolutionModule": Wrong(_conv_calls_the_library, "you called", kind="algorithm"),
     },
+    forbidden=_CONV_FORBIDDEN,
+)
+
+
+# --- 10.streaming_conv (stretch) ---------------------------------------------------------------
+# conv_module_step(chunk (B, C, E), cache (B, K-1, E), weights) -> (out (B, C, E), new_cache (B, K-1, E)):
+# one step of the convolution module with a *causal* depthwise convolution (frame t reads t-K+1..t),
+# run chunk by chunk. `cache` holds the last K-1 frames that entered the depthwise convolution (after
+# LayerNorm, pointwise conv and GLU), zeros before the stream starts. Each case is one step with the
+# right cache, cut from a whole stream, so a wrong step is caught where it happens.
+
+
+def _glu_frames(x, w):
+    """LayerNorm -> pointwise conv -> GLU, frame by frame: (B, T, E) -> (B, T, E)."""
+    y = F.layer_norm(x, x.shape[-1:], w["norm.weight"], w["norm.bias"], 1e-5)  # (B, T, E)
+    y = F.conv1d(y.transpose(1, 2), w["pointwise1.weight"], w["pointwise1.bias"])  # (B, 2E, T)
+    return F.glu(y, dim=1).transpose(1, 2)  # (B, T, E)
+
+
+def _after_depthwise(y, w):
+    """BatchNorm (running statistics) -> Swish -> pointwise conv: (B, E, C) -> (B, C, E)."""
+    y = F.batch_norm(y, w["batch_norm.running_mean"], w["batch_norm.running_var"], w["batch_norm.weight"],
+                     w["batch_norm.bias"], training=False, eps=1e-5)  # (B, E, C)
+    return F.conv1d(F.silu(y), w["pointwise2.weight"], w["pointwise2.bias"]).transpose(1, 2)  # (B, C, E)
+
+
+def _stream_step(chunk, cache, w, *, use_cache=True, centred=False, flip=False, new_cache="last"):
+    """One streaming step, with one classic mistake switched on."""
+    K = w["depthwise.weight"].shape[-1]
+    glu = _glu_frames(chunk, w)  # (B, C, E)
+    kernel = w["depthwise.weight"].flip(-1) if flip else w["depthwise.weight"]  # (E, 1, K)
+    E = chunk.shape[-1]
+    if centred:  # a "same" (centred) convolution inside the chunk: reads frames that have not arrived
+        centred_pad = F.pad(glu.transpose(1, 2), ((K - 1) // 2, K // 2))  # (B, E, K-1+C): as padding="same"
+        y = F.conv1d(centred_pad, kernel, w["depthwise.bias"], groups=E)
+    else:
+        before = cache if use_cache else torch.zeros_like(cache)  # (B, K-1, E)
+        history = torch.cat((before, glu), dim=1)  # (B, K-1+C, E)
+        y = F.conv1d(history.transpose(1, 2), kernel, w["depthwise.bias"], groups=E)  # (B, E, C)
+    out = _after_depthwise(y, w)  # (B, C, E)
+    history = torch.cat((cache, glu), dim=1)  # (B, K-1+C, E)
+    if new_cache == "last":
+        kept = history[:, history.shape[1] - (K - 1) :]  # (B, K-1, E)
+    elif new_cache == "first":
+        kept = history[:, : K - 1]
+    elif new_cache == "chunk":
+        kept = glu[:, max(glu.shape[1] - (K - 1), 0) :]  # only what this chunk brought
+    elif new_cache == "raw":
+        kept = torch.cat((cache, chunk), dim=1)[:, history.shape[1] - (K - 1) :]  # frames before the LayerNorm
+    else:  # "all": the whole history
+        kept = history
+    return out, kept
+
+
+def _stream_reference(chunk, cache, weights):
+    return _stream_step(chunk, cache, weights)
+
+
+_STREAMS = [  # (seed, B, T, E, K, chunk boundaries)
+    (2020, 2, 12, 6, 4, [0, 3, 8, 9]),  # the first chunk, a long middle chunk, one frame
+    (2021, 3, 10, 4, 5, [0, 5, 7]),  # a chunk shorter than the cache
+    (2022, 2, 14, 8, 3, [0, 4, 10]),
+]
+
+
+def _stream_cases() -> list[Case]:
+    cases = []
+    for seed, B, T, E, K, bounds in _STREAMS:
+        randn = seeded_randn(seed)
+        weights = _random_weights(randn, E, K, causal=True)
+        x = randn(B, T, E)
+        glu = torch.cat((torch.zeros(B, K - 1, E, dtype=x.dtype), _glu_frames(x, weights)), dim=1)  # (B, K-1+T, E)
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            cache = glu[:, start : start + K - 1].clone()  # (B, K-1, E): frames start-K+1 .. start-1, zeros before 0
+            where = "the first chunk (zero cache)" if start == 0 else f"frames {start}-{end - 1}"
+            cases.append(Case(f"stream (B={B}, E={E}, kernel {K}), {where}, {end - start} frame(s)",
+                              (x[:, start:end].clone(), cache, weights)))
+    return cases
+
+
+def _stream_expected(chunk, cache, weights):
+    """What the library's causal module gives for these frames, given the frames before them."""
+    K = weights["depthwise.weight"].shape[-1]
+    # Rebuild a stream whose depthwise inputs before the chunk are `cache`: run the library's causal
+    # module's depthwise part on [cache, glu(chunk)], and the library's module for everything frame-wise.
+    E = chunk.shape[-1]
+    module = ConvolutionModule(E, kernel_size=K, dropout=0.0, causal=True, dtype=chunk.dtype)
+    module.load_state_dict({**weights, "batch_norm.num_batches_tracked": torch.tensor(0)})
+    module.eval()
+    with torch.no_grad():
+        glu = F.glu(module.pointwise1(module.norm(chunk).transpose(1, 2)), dim=1)  # (B, E, C)
+        history = torch.cat((cache.transpose(1, 2), glu), dim=-1)  # (B, E, K-1+C)
+        y = F.conv1d(history, module.depthwise.weight, module.depthwise.bias, groups=E)  # (B, E, C): causal
+        out = module.pointwise2(F.silu(module.batch_norm(y))).transpose(1, 2)  # (B, C, E)
+    return out, history[..., history.shape[-1] - (K - 1) :].transpose(1, 2)
+
+
+def _diagnose_stream(got_out, chunk, cache, w) -> str:
+    return first_match(
+        got_out,
+        [
+            (lambda: _stream_step(chunk, cache, w, centred=True)[0],
+             "your depthwise convolution is centred: frame t reads frames after t, which have not arrived yet. "
+             "A causal convolution reads frames t - K + 1 .. t: put the K - 1 cached frames in front of the chunk "
+             "and pad nothing."),
+            (lambda: _stream_step(chunk, cache, w, use_cache=False)[0],
+             "the first frames of the chunk ignore the cache: they must read the K - 1 frames before the chunk, "
+             "which `cache` holds (zeros only at the start of a stream)."),
+            (lambda: _stream_step(chunk, cache, w, flip=True)[0],
+             "you flipped the kernel: F.conv1d is a cross-correlation, tap k of the weight multiplies frame "
+             "t - K + 1 + k. Use the weight as it is."),
+        ],
+        atol=1e-9,
+        rtol=1e-7,
+    ) or ""
+
+
+def _cache_hint(got_cache, chunk, cache, w) -> str:
+    return first_match(
+        got_cache,
+        [
+            (lambda: _stream_step(chunk, cache, w, new_cache="first")[1],
+             "your new cache holds the oldest K - 1 frames; it must hold the newest: the last K - 1 frames of "
+             "[cache, this chunk's frames]."),
+            (lambda: _stream_step(chunk, cache, w, new_cache="raw")[1],
+             "your new cache holds the chunk's frames as they came in; it must hold them as they enter the "
+             "depthwise convolution (after LayerNorm, pointwise conv and GLU), so they are not computed twice."),
+        ],
+        atol=1e-9,
+        rtol=1e-7,
+    ) or ""
+
+
+def _pair(case: Case, outcome) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learner's ``(out, new_cache)``, or a Fail saying what came back instead."""
+    if outcome.error is not None:
+        returned(outcome, what=case.name)  # raises with the error (or "not implemented yet")
+    got = outcome.returned
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        size = f" of length {len(got)}" if isinstance(got, (tuple, list)) else ""
+        raise Fail(f"{case.name}: return a pair (out, new_cache), got {type(got).__name__}{size}.")
+    return returned(outcome, what=f"{case.name}, out", index=0), returned(outcome, what=f"{case.name}, new cache", index=1)
+
+
+def _answered_streams(cases, outcomes):
+    """The cases whose call returned (errors are reported by the value checks), or a Fail if none did."""
+    done = [(case, outcome) for case, outcome in zip(cases, outcomes) if outcome.error is None]
+    if not done:
+        _pair(cases[0], outcomes[0])
+    return done
+
+
+def _judge_stream(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("returns (out (B, C, E), new cache (B, K-1, E)) in the input's dtype"):
+        for case, outcome in _answered_streams(cases, outcomes):
+            chunk, cache, _ = case.args
+            out, new_cache = _pair(case, outcome)
+            expect_shape(out, chunk.shape, what=f"{case.name}, out", hint="One output frame per input frame.")
+            kept, wanted = (new_cache.shape[1] if new_cache.dim() == 3 else None), cache.shape[1]
+            if kept is not None and kept > wanted:
+                hint = (f"Your cache has {kept} frames: a streaming module keeps only the last K - 1 = {wanted}, "
+                        "however long the stream, or its memory grows without end.")
+            elif kept is not None and kept < wanted:
+                hint = (f"Your cache has {kept} frames, not K - 1 = {wanted}: when a chunk is shorter than K - 1, "
+                        "the new cache keeps the newest of the old cached frames too (the last K - 1 of "
+                        "[cache, this chunk's frames]).")
+            else:
+                hint = ""
+            expect_shape(new_cache, cache.shape, what=f"{case.name}, new cache", hint=hint)
+            expect_dtype(out, chunk.dtype, what=f"{case.name}, out")
+            expect_dtype(new_cache, cache.dtype, what=f"{case.name}, new cache")
+    for title, part in (("each chunk's output equals the causal module on the whole stream", 0),
+                        ("the new cache holds the last K - 1 frames that entered the depthwise convolution", 1)):
+        with checklist.check(title):
+            for case, outcome in zip(cases, outcomes):
+                chunk, cache, weights = case.args
+                what = f"{case.name}, {'out' if part == 0 else 'new cache'}"
+                got = _pair(case, outcome)[part]
+                expected = _stream_expected(chunk, cache, weights)[part]
+                expect_shape(got, expected.shape, what=what)
+                hint = (_diagnose_stream if part == 0 else _cache_hint)(got, chunk, cache, weights)
+                expect_close(got, expected, what=what, atol=1e-9, rtol=1e-7, hint=hint)
+    with checklist.check("leaves chunk, cache and the weights unchanged"):
+        for case, outcome in _answered_streams(cases, outcomes):
+            _expect_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _stream_ignores_cache(chunk, cache, w):
+    return _stream_step(chunk, cache, w, use_cache=False)
+
+
+def _stream_centred(chunk, cache, w):
+    return _stream_step(chunk, cache, w, centred=True)
+
+
+def _stream_flipped_kernel(chunk, cache, w):
+    return _stream_step(chunk, cache, w, flip=True)
+
+
+def _stream_cache_oldest(chunk, cache, w):
+    return _stream_step(chunk, cache, w, new_cache="first")
+
+
+def _stream_cache_from_chunk_only(chunk, cache, w):
+    return _stream_step(chunk, cache, w, new_cache="chunk")
+
+
+def _stream_cache_raw_frames(chunk, cache, w):
+    return _stream_step(chunk, cache, w, new_cache="raw")
+
+
+def _stream_cache_grows(chunk, cache, w):
+    return _stream_step(chunk, cache, w, new_cache="all")
+
+
+def _stream_cache_updated_in_place(chunk, cache, w):
+    out, kept = _stream_step(chunk, cache, w)
+    cache.copy_(kept)  # the caller's cache changes under its feet
+    return out, cache
+
+
+STREAMING_CONV = Task(
+    id="10.streaming_conv",
+    title="A streaming convolution module: causal, one chunk at a time",
+    function_name="conv_module_step",
+    make_cases=_stream_cases,
+    judge=_judge_stream,
+    reference=_stream_reference,
+    wrong={
+        "cache ignored (zeros before every chunk)": Wrong(_stream_ignores_cache, "ignore the cache"),
+        "centred convolution inside the chunk": Wrong(_stream_centred, "have not arrived"),
+        "kernel flipped": Wrong(_stream_flipped_kernel, "cross-correlation"),
+        "new cache = the oldest K - 1 frames": Wrong(_stream_cache_oldest, "must hold the newest"),
+        "new cache from this chunk only": Wrong(_stream_cache_from_chunk_only, "keeps the newest of the old"),
+        "cache holds the frames before the LayerNorm": Wrong(_stream_cache_raw_frames, "not computed twice"),
+        "cache grows with the stream": Wrong(_stream_cache_grows, "grows without end"),
+        "cache updated in place": Wrong(_stream_cache_updated_in_place, "in place", kind="contract"),
+    },
+    stretch=True,
+    forbidden=_CONV_FORBIDDEN,
 )

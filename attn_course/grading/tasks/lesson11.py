@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ...attention import scaled_dot_product_attention
 from ...grouped import repeat_kv
 from ...masks import causal_mask
+from ...multihead import MultiHeadAttention, merge_heads, split_heads
 from ...positional import apply_rotary
 from ..core import Case, Fail, Task, Wrong
-from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned
+from ..judging import (
+    Checklist,
+    expect_close,
+    expect_dtype,
+    expect_flops_at_most,
+    expect_inputs_unchanged,
+    expect_shape,
+)
+from ..probes import probe_call
+from ._common import answered, first_match, returned, seeded_randn
 
-__all__ = ["REPEAT_KV", "DECODE_ATTENTION", "ROTARY"]
+__all__ = ["REPEAT_KV", "DECODE_ATTENTION", "ROTARY", "ROPE_GENERATION"]
 
 
 # --- 11.repeat_kv --------------------------------------------------------------------------
-# The learner writes repeat_kv(x, groups): (B, Hkv, S, D) -> (B, Hkv * groups, S, D), each
-# K/V head repeated for the `groups` query heads that share it (query head h reads h // groups).
+# The learner writes repeat_kv(x, n_rep): (B, Hkv, S, D) -> (B, Hkv * n_rep, S, D), each K/V
+# head repeated for the n_rep = H / Hkv query heads that share it (query head h reads h // n_rep).
 
 
 def _head_codes(B: int, H: int, S: int, D: int) -> torch.Tensor:
@@ -31,22 +42,22 @@ def _head_codes(B: int, H: int, S: int, D: int) -> torch.Tensor:
 
 def _repeat_cases() -> list[Case]:
     return [
-        Case("x (2, 2, 3, 4) with entries 1000 b + 100 h + 10 s + d, groups=3", (_head_codes(2, 2, 3, 4), 3)),
-        Case("x (1, 3, 2, 2), groups=2", (_head_codes(1, 3, 2, 2), 2)),
-        Case("multi-query: x (2, 1, 5, 2), groups=4", (_head_codes(2, 1, 5, 2), 4)),
-        Case("groups=1 changes nothing: x (1, 4, 2, 3)", (_head_codes(1, 4, 2, 3), 1)),
+        Case("x (2, 2, 3, 4) with entries 1000 b + 100 h + 10 s + d, n_rep=3", (_head_codes(2, 2, 3, 4), 3)),
+        Case("x (1, 3, 2, 2), n_rep=2", (_head_codes(1, 3, 2, 2), 2)),
+        Case("multi-query: x (2, 1, 5, 2), n_rep=4", (_head_codes(2, 1, 5, 2), 4)),
+        Case("n_rep=1 changes nothing: x (1, 4, 2, 3)", (_head_codes(1, 4, 2, 3), 1)),
     ]
 
 
 def _repeat_shape_hint(got: torch.Tensor, x: torch.Tensor, groups: int) -> str:
     B, H, S, D = x.shape
     if tuple(got.shape) == (B, H, groups, S, D):
-        return "You expanded a new axis but did not merge it into the head axis: reshape to (B, Hkv * groups, S, D)."
+        return "You expanded a new axis but did not merge it into the head axis: reshape to (B, Hkv * n_rep, S, D)."
     if tuple(got.shape) == (B, H, S * groups, D):
         return "You repeated along the sequence axis (dim=2); the copies belong on the head axis (dim=1)."
     if got.dim() == 1:
         return "repeat_interleave without dim= flattens the tensor: pass dim=1."
-    return "The result has Hkv * groups heads: (B, Hkv * groups, S, D)."
+    return "The result has Hkv * n_rep heads: (B, Hkv * n_rep, S, D)."
 
 
 def _diagnose_repeat(got: torch.Tensor, x: torch.Tensor, groups: int) -> str | None:
@@ -55,7 +66,8 @@ def _diagnose_repeat(got: torch.Tensor, x: torch.Tensor, groups: int) -> str | N
         [
             (lambda: x.repeat(1, groups, 1, 1),
              "your heads come out in the order 0, 1, 0, 1, ... (torch.repeat tiles the whole head axis). Query head h "
-             "must read K/V head h // groups, i.e. 0, 0, 1, 1, ...: use x.repeat_interleave(groups, dim=1)."),
+             "must read K/V head h // n_rep, i.e. 0, 0, 1, 1, ...: each head repeated n_rep times in a row, next to "
+             "itself."),
         ],
         atol=0.0,
         rtol=0.0,
@@ -69,18 +81,18 @@ def _diagnose_repeat(got: torch.Tensor, x: torch.Tensor, groups: int) -> str | N
     if len(wrong) == 0:
         return None
     b, h, s, d = (int(i) for i in wrong[0])
-    return f"Output head {h} should be a copy of K/V head {h} // {groups} = {h // groups}."
+    return f"Output head {h} should be a copy of K/V head {h} // {groups} = {h // groups} (h // n_rep)."
 
 
 def _judge_repeat(cases, outcomes):
     checklist = Checklist()
-    with checklist.check("shape (B, Hkv * groups, S, D) and the input's dtype"):
+    with checklist.check("shape (B, Hkv * n_rep, S, D) and the input's dtype"):
         for case, _, got in answered(cases, outcomes):
             x, groups = case.args
             B, H, S, D = x.shape
             expect_shape(got, (B, H * groups, S, D), what=case.name, hint=_repeat_shape_hint(got, x, groups))
             expect_dtype(got, x.dtype, what=case.name)
-    with checklist.check("query head h reads K/V head h // groups"):
+    with checklist.check("query head h reads K/V head h // n_rep"):
         for index in (0, 1, 2):
             case, outcome = cases[index], outcomes[index]
             x, groups = case.args
@@ -88,7 +100,7 @@ def _judge_repeat(cases, outcomes):
             expect_shape(got, repeat_kv(x, groups).shape, what=case.name, hint=_repeat_shape_hint(got, x, groups))
             expect_close(got, repeat_kv(x, groups), what=case.name, atol=0.0, rtol=0.0,
                          hint=_diagnose_repeat(got, x, groups) or "")
-    with checklist.check("groups=1 returns the same values"):
+    with checklist.check("n_rep=1 returns the same values"):
         case, outcome = cases[3], outcomes[3]
         x, groups = case.args
         got = returned(outcome, what=case.name)
@@ -100,6 +112,11 @@ def _judge_repeat(cases, outcomes):
 
 
 def _repeat_reference(x, groups):
+    B, H, S, D = x.shape
+    return x[:, :, None].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)  # (B, H * n_rep, S, D)
+
+
+def _repeat_delegates(x, groups):
     return repeat_kv(x, groups)
 
 
@@ -132,12 +149,14 @@ REPEAT_KV = Task(
     judge=_judge_repeat,
     reference=_repeat_reference,
     wrong={
-        "tiles with torch.repeat (0, 1, 0, 1)": Wrong(_repeat_tiled, "repeat_interleave(groups, dim=1)"),
+        "tiles with torch.repeat (0, 1, 0, 1)": Wrong(_repeat_tiled, "each head repeated n_rep times in a row"),
         "repeats along the sequence axis": Wrong(_repeat_sequence_axis, "sequence axis"),
         "expands without merging the new axis": Wrong(_repeat_no_merge, "did not merge"),
         "repeat_interleave without dim": Wrong(_repeat_flattened, "without dim="),
         "head h reads (h + 1) // groups": Wrong(_repeat_off_by_one, "should be a copy of K/V head"),
+        "calls attn_course.repeat_kv": Wrong(_repeat_delegates, "you called attn_course.repeat_kv", kind="algorithm"),
     },
+    forbidden=("attn_course.repeat_kv",),
 )
 
 
@@ -158,6 +177,7 @@ def _decode_cases() -> list[Case]:
         Case("three new tokens: q (1, 3, 3, 4), k, v (1, 3, 7, 4), float64", qkv(1, 3, 3, 7, 4)),
         Case("the prompt (T = S): q, k, v (2, 1, 5, 4), float64", qkv(2, 1, 5, 5, 4)),
         Case("float32, two new tokens: q (1, 2, 2, 8), k, v (1, 2, 9, 8)", qkv(1, 2, 2, 9, 8, torch.float32)),
+        Case("a batch, three new tokens: q (2, 3, 3, 8), k, v (2, 3, 8, 8), float64", qkv(2, 3, 3, 8, 8)),
     ]
 
 
@@ -196,18 +216,19 @@ def _judge_decode(cases, outcomes):
             q, k, v = case.args
             expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
             expect_dtype(got, q.dtype, what=case.name)
-    for title, index in (
-        ("one new token sees every cached key", 0),
-        ("several new tokens: bottom-right causal mask", 1),
-        ("the whole prompt at once equals causal attention", 2),
+    for title, indices in (
+        ("one new token sees every cached key", (0,)),
+        ("several new tokens: bottom-right causal mask", (1, 4)),
+        ("the whole prompt at once equals causal attention", (2,)),
     ):
         with checklist.check(title):
-            case, outcome = cases[index], outcomes[index]
-            got = returned(outcome, what=case.name)
-            expected = _decode_reference(*case.args)
-            expect_shape(got, expected.shape, what=case.name)
-            hint = _diagnose_decode(got, *case.args) or ""
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                got = returned(outcome, what=case.name)
+                expected = _decode_reference(*case.args)
+                expect_shape(got, expected.shape, what=case.name)
+                hint = _diagnose_decode(got, *case.args) or ""
+                expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("works in float32"):
         case, outcome = cases[3], outcomes[3]
         got = returned(outcome, what=case.name)
@@ -275,21 +296,54 @@ def _rotary_cases() -> list[Case]:
         Case("x (4, 16) at positions [3, 0, 100, 2000], float64",
              (torch.randn(4, 16, generator=gen, dtype=torch.float64), torch.tensor([3, 0, 100, 2000]))),
         Case("float32: x (1, 5, 4) at positions 0..4", (torch.randn(1, 5, 4, generator=gen), torch.arange(5))),
+        Case("bfloat16: x (2, 3, 8, 64) at positions 1000..1003 and 5000..5003",
+             (torch.randn(2, 3, 8, 64, generator=gen).to(torch.bfloat16),
+              torch.cat([torch.arange(1000, 1004), torch.arange(5000, 5004)]))),
+        Case("float16: x (2, 8, 32) at positions 4096..4103",
+             (torch.randn(2, 8, 32, generator=gen).to(torch.float16), torch.arange(4096, 4104))),
     ]
 
 
-_ROT_FROM_0, _ROT_FROM_7, _ROT_SCATTERED, _ROT_FLOAT32 = range(4)
+_ROT_FROM_0, _ROT_FROM_7, _ROT_SCATTERED, _ROT_FLOAT32, _ROT_BF16, _ROT_FP16 = range(6)
+_SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11}
+
+
+def _low_precision_hint(got: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> str:
+    """Say so when the result matches a rotation whose positions and angles were computed in x's dtype."""
+    in_dtype = _rotate_pairs(x.double(), positions.to(x.dtype).double(), angle_dtype=x.dtype)  # float64, bad angles
+    unit = 2.0 ** -_SIGNIFICANT_BITS[x.dtype] * in_dtype.abs().max().item()
+    if tuple(got.shape) == tuple(x.shape) and (got.double() - in_dtype).abs().max().item() <= 8 * unit:
+        rounded = positions.to(x.dtype).long()
+        return (
+            f"Your positions and angles were computed in {x.dtype}: it cannot even hold these positions "
+            f"({positions[:4].tolist()} become {rounded[:4].tolist()}), and an angle of thousands of radians in it is "
+            "off by whole radians. Compute the positions and angles in float32 or float64 (cos and sin too), and cast "
+            "only the result to x.dtype."
+        )
+    return "At long positions, compute the positions and angles in float32 or float64 and cast only the result to x.dtype."
 
 
 def _rotary_reference(x, positions):
-    return apply_rotary(x, positions)
+    # Written out (the library's rotary is forbidden); rotated in float64 and cast once: right in every dtype.
+    return _rotate_pairs(x.double(), positions).to(x.dtype)
 
 
-def _rotate_pairs(x, positions, *, exponent_step=2, sign=1.0, swap=False, half=False):
-    """Variants of the rotation for the diagnosis: a different pairing, frequencies or direction."""
+def _rotary_delegates(x, positions):
+    return apply_rotary(x.double(), positions).to(x.dtype)
+
+
+def _rotary_angles_in_input_dtype(x, positions):
+    """Positions, angles, cos and sin in x's dtype: right in float32/64, wrong by radians in bf16/fp16 at 1000+."""
+    return _rotate_pairs(x, positions)
+
+
+def _rotate_pairs(x, positions, *, exponent_step=2, sign=1.0, swap=False, half=False, angle_dtype=None):
+    """Variants of the rotation for the diagnosis: a different pairing, frequencies, direction or angle dtype."""
     D = x.shape[-1]
-    exponents = torch.arange(D // 2, dtype=x.dtype) * exponent_step / D  # (D/2,)
-    angles = sign * positions.to(x.dtype)[:, None] * 10000.0 ** -exponents  # (L, D/2)
+    angle_dtype = x.dtype if angle_dtype is None else angle_dtype
+    exponents = torch.arange(D // 2, dtype=angle_dtype) * exponent_step / D  # (D/2,)
+    angles = sign * positions.to(angle_dtype)[:, None] * 10000.0 ** -exponents  # (L, D/2)
+    angles = angles.to(x.dtype) if angle_dtype != x.dtype else angles
     cos, sin = (angles.sin(), angles.cos()) if swap else (angles.cos(), angles.sin())
     if half:
         first, second = x[..., : D // 2], x[..., D // 2 :]  # (..., L, D/2) each
@@ -371,6 +425,19 @@ def _judge_rotary(cases, outcomes):
         x, positions = case.args
         got = returned(outcome, what=case.name)
         expect_close(got, _rotary_reference(x.double(), positions), what=case.name, atol=1e-5, rtol=1e-4)
+    with checklist.check("bfloat16 and float16 at long positions: angles computed in float32 or float64"):
+        for index in (_ROT_BF16, _ROT_FP16):
+            case, outcome = cases[index], outcomes[index]
+            x, positions = case.args
+            got = returned(outcome, what=case.name)
+            expect_shape(got, x.shape, what=case.name)
+            expect_dtype(got, x.dtype, what=case.name, hint="Cast the rotated result back to x.dtype.")
+            reference = _rotary_reference(x.double(), positions)  # the same (rounded) input, rotated in float64
+            # Four units of the output's own rounding: honest variants measure 0.5-1.5 (rotating in float64 or
+            # float32 and casting once, or casting cos and sin first); angles in x's dtype measure 300-3500.
+            unit = 2.0 ** -_SIGNIFICANT_BITS[x.dtype] * reference.abs().max().item()
+            expect_close(got, reference, what=case.name, atol=4 * unit, rtol=0.0,
+                         hint=_low_precision_hint(got, x, positions))
     with checklist.check("leaves x unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -398,7 +465,7 @@ def _rotary_ignores_positions(x, positions):
 
 
 def _rotary_in_place(x, positions):
-    rotated = _rotate_pairs(x, positions)
+    rotated = _rotate_pairs(x.double(), positions).to(x.dtype)  # right values, in every dtype
     x.copy_(rotated)
     return x
 
@@ -417,5 +484,225 @@ ROTARY = Task(
         "sin and cos swapped": Wrong(_rotary_sin_cos_swapped, "swapped"),
         "ignores the positions argument": Wrong(_rotary_ignores_positions, "ignored the positions"),
         "rotates x in place": Wrong(_rotary_in_place, "in place", kind="contract"),
+        "positions and angles in bfloat16/float16": Wrong(
+            _rotary_angles_in_input_dtype, "cannot even hold these positions"
+        ),
+        "calls attn_course.apply_rotary": Wrong(_rotary_delegates, "you called attn_course.apply_rotary", kind="algorithm"),
     },
+    forbidden=("attn_course.apply_rotary", "attn_course.RotaryEmbedding", "attn_course.positional.rotary_angles"),
+)
+
+
+# --- 11.rope_generation (stretch) ------------------------------------------------------------
+# The learner writes generate(layer, prompt, steps): a toy autoregressive loop around one causal
+# self-attention layer (an attn_course.MultiHeadAttention) with rotary positions. The next input
+# is the layer's output at the last position. Returns the `steps` generated vectors (B, steps, E).
+# The point is the KV cache: keys rotated once at their absolute positions and kept, one new token
+# projected per step. Recomputing the whole prefix at every step gives the same values and is
+# rejected by the work it does (see the FLOP check).
+
+
+def _rope_qkv(layer, x: torch.Tensor, start: int, *, rotate=apply_rotary, rotate_values=False, rotate_keys=True):
+    """Queries, keys, values ``(B, H, T, D)`` of ``x`` ``(B, T, E)`` at positions ``start ..``, rotated."""
+    positions = torch.arange(start, start + x.shape[1], device=x.device)  # (T,)
+    q = rotate(split_heads(layer.q_proj(x), layer.num_heads), positions)  # (B, H, T, D)
+    k = split_heads(layer.k_proj(x), layer.num_heads)  # (B, H, T, D)
+    v = split_heads(layer.v_proj(x), layer.num_heads)  # (B, H, T, D)
+    k = rotate(k, positions) if rotate_keys else k
+    v = rotate(v, positions) if rotate_values else v
+    return q, k, v
+
+
+def _generate_cached(layer, prompt, steps, *, position=None, see_self=True, **rotation):
+    """Cached generation; the keyword arguments put in one classic mistake each (for the catalogue).
+
+    The explicit attention path (``fused=False``): for these tiny shapes PyTorch's fused CPU kernel
+    wakes its thread pool at every call, which costs more than the arithmetic on a loaded machine.
+    """
+    P = prompt.shape[1]
+    position = position or (lambda i: P + i - 1)  # the absolute position of the input of step i >= 1
+    q, keys, values = _rope_qkv(layer, prompt, 0, **rotation)  # (B, H, P, D) each
+    # Only the last prompt position's output is used, and it sees the whole prompt: causal or not, the same.
+    context = scaled_dot_product_attention(q, keys, values, is_causal=True, fused=False)  # (B, H, P, D)
+    generated = [layer.out_proj(merge_heads(context[:, :, -1:]))]  # [(B, 1, E)]
+    for i in range(1, steps):
+        q, k, v = _rope_qkv(layer, generated[-1], position(i), **rotation)  # (B, H, 1, D) each
+        if see_self:
+            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)  # (B, H, S, D)
+            context = scaled_dot_product_attention(q, keys, values, fused=False)  # (B, H, 1, D): one query sees all
+        else:
+            context = scaled_dot_product_attention(q, keys, values, fused=False)  # the new key is not in the cache yet
+            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        generated.append(layer.out_proj(merge_heads(context)))  # (B, 1, E)
+    return torch.cat(generated, dim=1)  # (B, steps, E)
+
+
+def _generate_reference(layer, prompt, steps):
+    with torch.no_grad():
+        return _generate_cached(layer, prompt, steps)
+
+
+def _generate_full_recompute(layer, prompt, steps):
+    """Right values, wrong algorithm: the whole prefix projected and attended again at every step."""
+    sequence = prompt  # (B, t, E)
+    with torch.no_grad():
+        for _ in range(steps):
+            q, k, v = _rope_qkv(layer, sequence, 0)  # (B, H, t, D) each
+            context = scaled_dot_product_attention(q, k, v, is_causal=True, fused=False)  # (B, H, t, D)
+            sequence = torch.cat([sequence, layer.out_proj(merge_heads(context))[:, -1:]], dim=1)
+    return sequence[:, prompt.shape[1] :]  # (B, steps, E)
+
+
+def _generation_cases() -> list[Case]:
+    def layer(E, H, seed, dtype=torch.float64):
+        with torch.random.fork_rng():  # seeded initialisation, without touching the caller's RNG
+            torch.manual_seed(seed)
+            return MultiHeadAttention(E, H, dtype=dtype)
+
+    randn = seeded_randn(1113)
+    return [
+        Case("B = 2, E = 16, H = 2, a 3-token prompt, 5 steps, float64", (layer(16, 2, 1), randn(2, 3, 16), 5)),
+        Case("B = 1, E = 32, H = 4, a one-token prompt, 6 steps, float64", (layer(32, 4, 2), randn(1, 1, 32), 6)),
+        Case("B = 3, E = 16, H = 4, a 5-token prompt, 1 step (the prompt only), float64",
+             (layer(16, 4, 3), randn(3, 5, 16), 1)),
+        Case("B = 2, E = 64, H = 4, a 4-token prompt, 8 steps, float64", (layer(64, 4, 4), randn(2, 4, 64), 8)),
+        Case("float32: B = 2, E = 24, H = 3, a 2-token prompt, 4 steps",
+             (layer(24, 3, 5, torch.float32), randn(2, 2, 24, dtype=torch.float32), 4)),
+    ]
+
+
+_GEN_SMALL, _GEN_ONE_TOKEN, _GEN_PREFILL, _GEN_LONG, _GEN_FLOAT32 = range(5)
+
+
+def _diagnose_generation(got, layer, prompt, steps) -> str | None:
+    P = prompt.shape[1]
+    with torch.no_grad():
+        return first_match(
+            got,
+            [
+                (lambda: _generate_cached(layer, prompt, steps, position=lambda i: 0),
+                 "every new token is rotated as if it stood at position 0. Rotate the input of step i at its "
+                 "absolute position, P + i - 1 for a prompt of P tokens: positions continue where the cache ends."),
+                (lambda: _generate_cached(layer, prompt, steps, position=lambda i: i),
+                 "your new tokens' positions do not count the prompt: the input of step i stands at position P + i - 1, "
+                 "not i."),
+                (lambda: _generate_cached(layer, prompt, steps, rotate_values=True),
+                 "you rotated the values too. RoPE rotates queries and keys only (their dot product is what must "
+                 "depend on the offset); the values are mixed as they are."),
+                (lambda: _generate_cached(layer, prompt, steps, rotate_keys=False),
+                 "your keys are not rotated: rotate every key once, at its own position, before it goes into the "
+                 "cache."),
+                (lambda: _generate_cached(layer, prompt, steps, see_self=False),
+                 "each new query attends to the cache before its own key and value are in it: append the new key and "
+                 "value first, then attend (a token sees itself)."),
+                (lambda: _generate_cached(layer, prompt, steps, rotate=lambda x, p: _rotate_pairs(x, p, half=True)),
+                 "you paired feature i with i + D/2 ('rotate half'); this task pairs neighbours (2i, 2i+1), as in "
+                 "exercise 11.rotary."),
+            ],
+            atol=1e-9,
+            rtol=1e-7,
+        )
+
+
+def _judge_generation(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("returns (B, steps, E) in the prompt's dtype"):
+        for case, _, got in answered(cases, outcomes):
+            _, prompt, steps = case.args
+            expect_shape(got, (prompt.shape[0], steps, prompt.shape[2]), what=case.name,
+                         hint="Return the generated vectors only, (B, steps, E), not the prompt.")
+            expect_dtype(got, prompt.dtype, what=case.name)
+    for title, indices in (
+        ("the prompt step: the output at the last prompt position", (_GEN_PREFILL,)),
+        ("generation: every step rotated at its absolute position, attending to the cache", (_GEN_SMALL, _GEN_LONG)),
+        ("a one-token prompt", (_GEN_ONE_TOKEN,)),
+    ):
+        with checklist.check(title):
+            for index in indices:
+                case, outcome = cases[index], outcomes[index]
+                got = returned(outcome, what=case.name)
+                expected = _generate_reference(*case.args)
+                expect_shape(got, expected.shape, what=case.name)
+                expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7,
+                             hint=_diagnose_generation(got, *case.args) or "")
+    with checklist.check("each step projects only the new token (the work of cached decoding)"):
+        for index in (_GEN_SMALL, _GEN_ONE_TOKEN, _GEN_LONG):
+            case = cases[index]
+            returned(outcomes[index], what=case.name)
+            intended = _cached_flops(index)
+            expect_flops_at_most(
+                outcomes[index], 2 * intended, what=case.name, intended=intended,
+                hint="That is the work of recomputing the prefix at every step: keep every rotated key and every value "
+                "in a cache, and at each step project, rotate and append only the new token.",
+            )
+    with checklist.check("works in float32"):
+        case, outcome = cases[_GEN_FLOAT32], outcomes[_GEN_FLOAT32]
+        layer, prompt, steps = case.args
+        got = returned(outcome, what=case.name)
+        expected = _generate_reference(layer.double(), prompt.double(), steps)
+        expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-4)
+    with checklist.check("leaves the prompt unchanged"):
+        for case, outcome, _ in answered(cases, outcomes):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+@lru_cache(maxsize=None)
+def _cached_flops(index: int) -> int:
+    """The work of cached generation on case ``index``, counted by the same probe as the learner's.
+
+    Measured on the checked cases (0, 1, 3): honest variants (preallocated ac.KVCache, torch.cat,
+    only the last prompt query, the fused kernel) 0.85-1.07 times this; recomputing the prefix at
+    every step 3.5-5.8 times, only its keys and values 3.0-4.8 times.
+    """
+    return int(probe_call(_generate_reference, *_generation_cases()[index].args, measure=("flops",))["flops"])
+
+
+def _generate_prefix_keys_again(layer, prompt, steps):
+    """Right values, wrong algorithm: only the newest query, but every key and value projected again each step."""
+    sequence, outputs = prompt, []
+    with torch.no_grad():
+        for _ in range(steps):
+            t = sequence.shape[1]
+            _, keys, values = _rope_qkv(layer, sequence, 0)  # (B, H, t, D): the whole prefix again
+            q, _, _ = _rope_qkv(layer, sequence[:, -1:], t - 1)  # (B, H, 1, D)
+            context = scaled_dot_product_attention(q, keys, values)  # (B, H, 1, D)
+            outputs.append(layer.out_proj(merge_heads(context)))  # (B, 1, E)
+            sequence = torch.cat([sequence, outputs[-1]], dim=1)
+    return torch.cat(outputs, dim=1)
+
+
+def _generation_wrong(**mistake):
+    def generate(layer, prompt, steps):
+        with torch.no_grad():
+            return _generate_cached(layer, prompt, steps, **mistake)
+
+    return generate
+
+
+ROPE_GENERATION = Task(
+    id="11.rope_generation",
+    title="Generation with a KV cache and rotary positions",
+    function_name="generate",
+    make_cases=_generation_cases,
+    judge=_judge_generation,
+    reference=_generate_reference,
+    wrong={
+        "new tokens rotated at position 0": Wrong(_generation_wrong(position=lambda i: 0), "position 0"),
+        "positions that do not count the prompt": Wrong(_generation_wrong(position=lambda i: i), "do not count the prompt"),
+        "values rotated too": Wrong(_generation_wrong(rotate_values=True), "rotated the values too"),
+        "keys not rotated": Wrong(_generation_wrong(rotate_keys=False), "keys are not rotated"),
+        "new key appended after attending": Wrong(_generation_wrong(see_self=False), "append the new key"),
+        "rotate-half pairing": Wrong(
+            _generation_wrong(rotate=lambda x, p: _rotate_pairs(x, p, half=True)), "rotate half"),
+        "recomputes the whole prefix at every step": Wrong(
+            _generate_full_recompute, "recomputing the prefix at every step", kind="algorithm"
+        ),
+        "projects every key and value again at every step": Wrong(
+            _generate_prefix_keys_again, "recomputing the prefix at every step", kind="algorithm"
+        ),
+    },
+    stretch=True,
+    measure=("flops",),
+    forbidden=("attn_course.decode_step",),
 )

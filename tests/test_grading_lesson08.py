@@ -1,4 +1,4 @@
-"""The lesson 08 and 11 tasks: fair to other correct solutions.
+"""The lesson 08 tasks: fair to other correct solutions, and their cases hold the bugs they claim.
 
 ``test_grading_catalogue.py`` proves, for every task, that each catalogued bug is rejected and
 that the judges survive the batch grader's round trip, odd return values and errors. These
@@ -8,7 +8,8 @@ marks, and the NaN-hunting cases really hold their bugs.
 
 from __future__ import annotations
 
-import math
+import copy
+import warnings
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from attn_course.grading import TASKS, grade_function
 
-OURS = [task_id for task_id in TASKS if task_id.split(".")[0] in {"08", "11"}]
+OURS = [task_id for task_id in TASKS if task_id.startswith("08.")]
 
 
 # --- other correct solutions ---------------------------------------------------------------
@@ -84,61 +85,54 @@ def _nonfinite_list(model, x):
     return bad[0] if bad else None
 
 
-def _repeat_expand(x, groups):
-    B, H, S, D = x.shape
-    return x[:, :, None].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)
+def _gradient_first_in_a_list(model, x):
+    bad, handles = [], []
+    for name, module in model.named_modules():
+        def hook(module, grad_input, grad_output, name=name):
+            if any(g is not None and not torch.isfinite(g).all() for g in grad_input):
+                bad.append(name)
+
+        handles.append(module.register_full_backward_hook(hook))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(x).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return bad[0] if bad else None
 
 
-def _repeat_index(x, groups):
-    return x.index_select(1, torch.arange(x.shape[1] * groups) // groups)
+def _gradient_dict_of_first_reports(model, x):
+    order = {}  # name -> the index at which its hook first reported a bad grad_input
 
+    def make(name):
+        def hook(module, grad_input, grad_output):  # returns None: a returned value would replace grad_input
+            if any(isinstance(g, torch.Tensor) and (g.isnan() | g.isinf()).any() for g in grad_input):
+                order.setdefault(name, len(order))
 
-def _decode_torch(q, k, v):
-    T, S = q.shape[-2], k.shape[-2]
-    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # (T, S), bottom-right aligned
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return hook
 
-
-def _decode_manual(q, k, v):
-    T, S = q.shape[-2], k.shape[-2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, S)
-    future = torch.arange(S)[None, :] > torch.arange(S - T, S)[:, None]  # (T, S)
-    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
-
-
-def _rotary_complex(x, positions):
-    D = x.shape[-1]
-    theta = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
-    angles = positions.double()[:, None] * theta  # (L, D/2)
-    pairs = torch.view_as_complex(x.double().unflatten(-1, (D // 2, 2)).contiguous())  # (..., L, D/2)
-    rotated = pairs * torch.polar(torch.ones_like(angles), angles)  # (..., L, D/2)
-    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)  # (..., L, D)
-
-
-def _rotary_matrix(x, positions):
-    D = x.shape[-1]
-    angles = positions.to(x.dtype)[:, None] * 10000.0 ** (-torch.arange(0, D, 2, dtype=x.dtype) / D)  # (L, D/2)
-    cos, sin = angles.cos(), angles.sin()
-    out = torch.empty_like(x)
-    out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
-    out[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
-    return out
+    handles = [module.register_full_backward_hook(make(name)) for name, module in model.named_modules()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x).sum().backward()
+    for handle in handles:
+        handle.remove()
+    return min(order, key=order.get) if order else None
 
 
 ALTERNATIVES = {
     "08.attention_entropy": [_entropy_xlogy, _entropy_clamped_copy, _entropy_article_per_row],
     "08.qk_norm_attention": [_qk_functional, _qk_manual],
     "08.first_nonfinite_module": [_nonfinite_raise_at_first, _nonfinite_list],
-    "11.repeat_kv": [_repeat_expand, _repeat_index],
-    "11.decode_attention": [_decode_torch, _decode_manual],
-    "11.rotary": [_rotary_complex, _rotary_matrix],
+    "08.first_nonfinite_gradient": [_gradient_first_in_a_list, _gradient_dict_of_first_reports],
 }
 ALTERNATIVE_CASES = [(task_id, i) for task_id, fns in ALTERNATIVES.items() for i in range(len(fns))]
 
 
-def test_every_task_of_lessons_08_and_11_has_alternatives():
+def test_every_task_of_lesson_08_has_alternatives():
     assert set(ALTERNATIVES) == set(OURS)
-    assert {"08", "11"} == {task_id.split(".")[0] for task_id in OURS}
 
 
 @pytest.mark.parametrize("task_id,index", ALTERNATIVE_CASES, ids=[f"{t}:{i}" for t, i in ALTERNATIVE_CASES])
@@ -153,3 +147,28 @@ def test_first_nonfinite_cases_really_hold_their_bugs():
 
     answers = [_first_nonfinite_reference(*case.args) for case in TASKS["08.first_nonfinite_module"].make_cases()]
     assert answers == ["1", "blocks.1.mlp.0", "1", "early", None]
+
+
+def test_gradient_cases_are_finite_forward_and_hold_their_bugs():
+    """Every forward pass is finite (a forward hook sees nothing); the culprits are where the cases say."""
+    from attn_course.grading.tasks.lesson08 import _backward_reports, _first_nonfinite_gradient_reference
+
+    cases = TASKS["08.first_nonfinite_gradient"].make_cases()
+    for case in cases:
+        model, x = case.args
+        assert torch.isfinite(model(x)).all(), case.name
+    answers = [_first_nonfinite_gradient_reference(copy.deepcopy(c.args[0]), c.args[1]) for c in cases]
+    assert answers == ["1", "blocks.0.norm", "2", "2", "culprit", None]
+    reports = [_backward_reports(copy.deepcopy(c.args[0]), c.args[1]) for c in cases]
+    assert [bool(r["input"]) and not r["nan_input"] for r in reports] == [False, False, True, True, False, False], (
+        "cases 2 and 3 pass back an inf and no NaN: the isnan-only mistake is caught by them"
+    )
+    assert reports[4]["input"] == ["culprit", "inner"]  # 'inner' is defined first but reports second
+
+
+def test_gradient_task_leaves_the_case_models_untouched():
+    """The judge works on its own copies: building the cases twice gives models with no .grad."""
+    task = TASKS["08.first_nonfinite_gradient"]
+    grade_function(task, task.reference)
+    for case in task.make_cases():
+        assert all(p.grad is None for p in case.args[0].parameters())

@@ -1,0 +1,186 @@
+"""Measuring tools: wall time, the largest tensor a call creates, what autograd saves, peak memory.
+
+Small and free of the benchmark harness, so library code may import them (``attn_course.kv_cache``
+times decoding with :func:`time_call`; the graders read :func:`saved_tensor_bytes`):
+
+* :func:`time_call`: median wall time of a call, GPU work waited for (:func:`synchronize`);
+* :func:`largest_tensor_bytes`: the largest tensor storage any torch call inside a function
+  returned -- deterministic, so lessons print it as checked output;
+* :func:`saved_tensor_bytes`: the bytes autograd keeps for the backward pass -- deterministic too;
+* :func:`peak_memory_bytes`: the extra peak memory of one call, measured: the CUDA allocator's
+  peak on a GPU, the process's peak resident set on a CPU (Linux's ``VmHWM``, reset before the
+  call; ``ru_maxrss`` elsewhere).
+
+Timings and peak memory depend on the machine and its load: lessons print them in cells whose
+output is not compared, and assert only orderings and ratios with margins.
+``attn-course bench`` (:mod:`attn_course.bench`) builds its tables from these tools.
+
+Taught in lesson 04 (the cost of attention); lessons 05-07 and 11 use them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+try:
+    import resource  # Unix only
+except ImportError:  # pragma: no cover - Windows
+    resource = None
+
+__all__ = [
+    "synchronize",
+    "time_call",
+    "largest_tensor_bytes",
+    "saved_tensor_bytes",
+    "peak_memory_bytes",
+]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer measures the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_call(fn: Callable[[], object], *, device: torch.device, warmup: int = 3, repeats: int = 20) -> float:
+    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class _LargestStorage(TorchFunctionMode):
+    """Records the largest storage of any tensor returned by a torch function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for item in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(item, torch.Tensor) and item.layout == torch.strided:
+                self.largest = max(self.largest, item.untyped_storage().nbytes())
+        return result
+
+
+def largest_tensor_bytes(fn: Callable[..., object], *args: object, **kwargs: object) -> int:
+    """Bytes of the largest tensor storage that any torch call inside ``fn(*args, **kwargs)`` returned.
+
+    A cheap, deterministic stand-in for peak memory: it shows, for example, that dense
+    attention creates an ``(L, S)`` score matrix and chunked attention never does. Views
+    count as the storage they look at (an ``expand`` costs nothing). Buffers that a fused
+    kernel allocates internally are invisible to it -- use :func:`measure_peak_memory` for those.
+    """
+    mode = _LargestStorage()
+    with mode:
+        fn(*args, **kwargs)
+    return mode.largest
+
+
+def saved_tensor_bytes(fn: Callable[..., object], *args: object, **kwargs: object) -> int:
+    """Bytes that autograd keeps for the backward pass of ``fn(*args, **kwargs)``.
+
+    Every tensor an operation saves for its backward pass goes through the pack hook of
+    ``torch.autograd.graph.saved_tensors_hooks``. Saved tensors often share memory (``k.mT``
+    is a view of ``k``; ``x * x`` saves ``x`` twice), so each *storage* is counted once, at
+    its full size. Saved inputs count too: the backward pass keeps them alive. Deterministic,
+    unlike a peak-memory reading, so lessons print it as checked output. Returns 0 when
+    nothing needs a gradient (or under ``torch.no_grad()``).
+
+    Lesson 04 teaches it (forward vs backward memory); lesson 07 uses it for the recomputing
+    backward.
+    """
+    storages: dict[int, int] = {}
+    kept: list[torch.Tensor] = []  # hold every saved tensor, so no storage is freed and its address reused
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            kept.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn(*args, **kwargs)
+    return sum(storages.values())
+
+
+def _status_bytes(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes, or None off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS counter (VmHWM) to its current RSS; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return _status_bytes("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def _max_rss_bytes() -> int:
+    if resource is None:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def peak_memory_bytes(fn: Callable[[], object], *, device: torch.device | str = "cpu") -> dict[str, object]:
+    """Run ``fn()`` once and measure the peak memory it added: ``{"bytes", "method", "error"}``.
+
+    * CUDA: ``torch.cuda.max_memory_allocated`` minus what was allocated before the call (the
+      allocator's own count: exact, and blind to other processes).
+    * CPU: the process's peak resident set during the call minus its resident set before it
+      (Linux: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``; elsewhere
+      ``ru_maxrss``, which cannot be reset, so only a new high counts). Memory freed earlier
+      in the same process may be reused without raising the resident set, so call it in a
+      fresh process for a clean figure -- ``attn-course bench attention`` forks one per point.
+    * MPS and other devices: ``bytes`` is None and ``error`` says why.
+
+    ``fn``'s result is dropped before the peak is read. Call it under ``torch.no_grad()`` to
+    measure inference, or with autograd on to include what is kept for the backward pass.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        del result
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        return {"bytes": peak - before, "method": "torch.cuda.max_memory_allocated", "error": None}
+    if device.type != "cpu":
+        return {"bytes": None, "method": "none", "error": f"no peak-memory counter on {device.type}"}
+    reset = _reset_peak_rss()
+    before = _status_bytes("VmRSS") if reset else _max_rss_bytes()
+    result = fn()
+    del result
+    after = _status_bytes("VmHWM") if reset else _max_rss_bytes()
+    method = "peak RSS (" + ("VmHWM" if reset else "ru_maxrss") + ")"
+    return {"bytes": max(0, after - before), "method": method, "error": None}
