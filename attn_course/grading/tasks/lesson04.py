@@ -19,7 +19,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...attention import scaled_dot_product_attention
-from ...bench import attention_flops, saved_tensor_bytes
+from ...bench import attention_flops
+from ...measure import saved_tensor_bytes
 from ...chunked import chunked_attention
 from ..core import Case, Fail, Outcome, Task, Wrong
 from ..judging import NOT_IMPLEMENTED, Checklist
@@ -418,9 +419,9 @@ SAVED_TENSOR_BYTES = Task(
         "the output's bytes": Wrong(_saved_output, "measured the output"),
         "the inputs' bytes": Wrong(_saved_inputs, "counted the inputs"),
         "calls the library's saved_tensor_bytes": Wrong(
-            _saved_library, "you called attn_course.bench.saved_tensor_bytes", kind="algorithm"),
+            _saved_library, "you called attn_course.measure.saved_tensor_bytes", kind="algorithm"),
     },
-    forbidden=("attn_course.bench.saved_tensor_bytes",),
+    forbidden=("attn_course.measure.saved_tensor_bytes",),
 )
 
 
