@@ -5,7 +5,7 @@ D head dim, E model dim. Masks are boolean with True = may attend.
 """
 
 from .attention import scaled_dot_product_attention, stable_softmax
-from .claims import ClaimError, claim
+from .claims import ClaimError, claim, shows_error
 from .chunked import (
     PartialAttention,
     chunked_attention,
@@ -158,6 +158,7 @@ __all__ = [
     "SinusoidalPositionalEncoding",
     "sparse_attention",
     "SparseAttention",
+    "shows_error",
     "split_heads",
     "stable_softmax",
     "to_blocked_mask",

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 import attn_course as ac
 from attn_course import distributed as dist_attn
-from attn_course.chunked import finish_partial
+from attn_course.distributed import runner
+from attn_course.distributed.layout import block_plan, chunk_length
+from attn_course.chunked import finish_partial, log_sum_exp
 
 # Measured with these inputs: the largest |difference| from F.scaled_dot_product_attention over
 # every configuration below was 1.6e-15 (outputs and gradients); the bound leaves a wide margin
@@ -111,8 +113,8 @@ def test_block_plan_covers_every_allowed_pair_exactly_once(world_size, layout):
     covered = torch.zeros(L, L, dtype=torch.int64)  # (L, L): how often each allowed pair is computed
     for rank in range(world_size):
         for source in dist_attn.ring_schedule(world_size)[rank]:
-            plan = dist_attn._block_plan(positions[rank], positions[source], is_causal=True,
-                                         max_run=dist_attn._chunk_length(L // world_size, layout))
+            plan = block_plan(positions[rank], positions[source], is_causal=True,
+                              max_run=chunk_length(L // world_size, layout))
             for qs, ks, causal in plan:
                 rows, cols = positions[rank][qs], positions[source][ks]
                 allowed = cols[None, :] <= rows[:, None] if causal is None else causal
@@ -165,7 +167,7 @@ def test_ring_steps_simulated_in_one_process_equal_attention(device, layout, is_
                                    q_positions=positions[rank], k_positions=positions[source],
                                    key_padding_mask=None if keep is None else shard(keep, source, -1), is_causal=is_causal)
         outs.append(finish_partial(running))
-        lses.append(dist_attn._log_sum_exp(running))
+        lses.append(log_sum_exp(running))  # (B, H, L/W, 1)
     assert (ac.gather_sequence(outs, layout=layout) - expected).abs().max() < TOL
 
     grads_q = [torch.zeros_like(shard(q, r)) for r in range(W)]
@@ -284,7 +286,9 @@ def sleep_by_rank(rank, world_size):
 
 def test_a_hanging_worker_times_out_and_is_stopped():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[1, 2\] of 3 did not finish within 2 s"):
+    # Ranks 1 and 2 never finish; rank 0 returns at once, but on a loaded machine even its start-up may
+    # take longer than the 2 s, so it may be listed too.
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1, 2\] of 3 did not finish within 2 s"):
         ac.run_distributed(sleep_by_rank, 3, timeout_s=2.0)
     assert time.monotonic() - start < 30
 
@@ -391,74 +395,7 @@ def test_rank_summary_shows_a_working_collective():
     assert all(s["world_size"] == 3 and s["backend"] == "gloo" and s["all_reduce of rank + 1"] == 6 for s in summaries)
 
 
-# --- the lesson 12 graded tasks: fair to other correct solutions ---------------------------
-# (tests/test_grading_catalogue.py proves every catalogued bug is rejected.)
-
-
-def _zigzag_lists(seq_len, world_size):
-    """Plain Python lists, built token by token."""
-    if seq_len % (2 * world_size):
-        raise ValueError("pad the sequence")
-    chunk = seq_len // (2 * world_size)
-    return [[r * chunk + i for i in range(chunk)] + [(2 * world_size - 1 - r) * chunk + i for i in range(chunk)]
-            for r in range(world_size)]
-
-
-def _zigzag_int32_chunks(seq_len, world_size):
-    if seq_len % (2 * world_size):
-        raise ValueError("pad the sequence")
-    chunks = torch.arange(seq_len, dtype=torch.int32).chunk(2 * world_size)
-    return tuple(torch.cat([chunks[r], chunks[-1 - r]]) for r in range(world_size))
-
-
-def _ring_step_from_scratch(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
-    """Written out without lesson 07's helpers, with a large finite fill instead of -inf."""
-    scores = torch.einsum("bhld,bhsd->bhls", q, k) / q.shape[-1] ** 0.5  # (B, H, Lq, Lk)
-    allowed = torch.ones_like(scores, dtype=torch.bool)
-    if is_causal:
-        allowed = allowed & (k_positions.view(1, 1, 1, -1) <= q_positions.view(1, 1, -1, 1))
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask.view(q.shape[0], 1, 1, -1)
-    block_max = torch.where(allowed, scores, torch.full_like(scores, -torch.inf)).amax(-1, keepdim=True)
-    if running is None:
-        running = (torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), torch.full_like(block_max, -torch.inf),
-                   torch.zeros_like(block_max))
-    acc, row_max, row_sum = running
-    new_max = torch.maximum(row_max, block_max)
-    shift = torch.nan_to_num(new_max, neginf=0.0)
-    exps = torch.exp(scores - shift) * allowed
-    old = torch.exp(row_max - shift)
-    return acc * old + exps @ v, new_max, row_sum * old + exps.sum(-1, keepdim=True)
-
-
-def _backward_from_autograd(q, k, v, grad_out, out, lse, q_positions, k_positions, key_padding_mask=None,
-                            is_causal=False):
-    """dq, dk, dv of sum(grad_out * (P v - corr)) with P = exp(S - lse): autograd instead of the formulas."""
-    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
-    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
-    if is_causal:
-        allowed = k_positions[None, :] <= q_positions[:, None]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]
-    weights = torch.exp(scores.masked_fill(~allowed, -torch.inf) - torch.nan_to_num(lse, neginf=0.0))
-    delta = (grad_out * out).sum(-1, keepdim=True)
-    # d(out)/d(scores) through this block's weights only (lse is a constant), and d(out)/d(v).
-    share = (weights * (grad_out @ v.transpose(-2, -1) - delta).detach()).sum() + (weights.detach() @ v * grad_out).sum()
-    return torch.autograd.grad(share, (q, k, v))
-
-
-@pytest.mark.parametrize("task_id,fn", [
-    ("12.zigzag_positions", _zigzag_lists),
-    ("12.zigzag_positions", _zigzag_int32_chunks),
-    ("12.ring_step", _ring_step_from_scratch),
-    ("12.ring_step_backward", _backward_from_autograd),
-], ids=["zigzag-lists", "zigzag-int32-chunks", "ring-step-from-scratch", "backward-by-autograd"])
-def test_other_correct_solutions_score_full_marks(task_id, fn):
-    from attn_course.grading import TASKS, grade_function
-
-    result = grade_function(TASKS[task_id], fn)
-    assert result.score == result.max_score, result.report()
+# --- the runner and the pictures ------------------------------------------------------------
 
 
 def test_a_port_taken_between_probe_and_bind_is_retried(monkeypatch):
@@ -469,8 +406,8 @@ def test_a_port_taken_between_probe_and_bind_is_retried(monkeypatch):
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     ports = [busy.getsockname()[1]]
-    real = dist_attn._free_port
-    monkeypatch.setattr(dist_attn, "_free_port", lambda: ports.pop() if ports else real())
+    real = runner._free_port
+    monkeypatch.setattr(runner, "_free_port", lambda: ports.pop() if ports else real())
     try:
         assert ac.run_distributed(max, 1) == [1]
     finally:
@@ -498,3 +435,28 @@ def test_pictures_show_the_schedule_and_who_computes_what():
     assert allowed_per_rank == [int((p + 1).sum()) for p in ac.sequence_positions(16, 4, layout="zigzag")]
     assert [t.get_text() for t in figure.axes[0].get_legend().get_texts()] == [f"rank {r}" for r in range(4)]
     plt.close(figure)
+
+
+def test_the_package_is_one_module_per_concept_behind_one_public_face():
+    """attn_course.distributed re-exports every public name; each module names its lesson, keeps an
+    __all__, and takes from its siblings only their public names (shared checks live in _checks)."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    for name in dist_attn.__all__:
+        assert getattr(dist_attn, name) is not None
+    for name in ("ring_attention", "ring_step", "ring_step_backward", "ulysses_attention", "run_distributed",
+                 "run_sharded_attention", "sequence_positions", "CommunicationLog"):
+        assert getattr(ac, name) is getattr(dist_attn, name)
+    folder = Path(dist_attn.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        assert "lesson 12" in (ast.get_docstring(tree) or ""), path.name
+        module = importlib.import_module(f"attn_course.distributed.{path.stem}" if path.stem != "__init__"
+                                         else "attn_course.distributed")
+        assert all(hasattr(module, name) for name in module.__all__), path.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and not (node.module or "").endswith("_checks"):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from {node.module}"

@@ -18,7 +18,8 @@ from attn_course import measure
 PACKAGE = Path(ac.__file__).resolve().parent
 # The package's own tooling and plumbing: no lesson teaches them.
 TOOLING = {"__init__.py", "_checks.py", "claims.py", "cli.py", "course.py", "notebooks.py"}  # claims: every lesson
-LIBRARY = sorted(p for p in [*PACKAGE.glob("*.py"), *PACKAGE.glob("data/*.py")] if p.name not in TOOLING)
+LIBRARY = sorted(p for p in [*PACKAGE.glob("*.py"), *PACKAGE.glob("data/*.py"), *PACKAGE.glob("distributed/*.py")]
+                 if p.name not in TOOLING)
 
 
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -27,19 +28,14 @@ def test_every_module_docstring_names_the_lesson_that_teaches_it(path):
     assert re.search(r"\blessons? \d\d\b", docstring), f"{path.name}: say which lesson teaches it"
 
 
-# attn_course.distributed (lesson 12, another helper's module) imports chunked._log_sum_exp, now public
-# as chunked.log_sum_exp; remove this entry when it imports the public name.
-KNOWN_PRIVATE_IMPORTS = {"distributed.py: _log_sum_exp from chunked"}
-
-
 def test_no_module_imports_another_modules_private_names():
     """kv_cache used to import grouped's private validator; shared helpers belong in _checks (or are public)."""
     offenders = []
-    for path in [*PACKAGE.glob("*.py"), *PACKAGE.glob("data/*.py")]:
+    for path in [*PACKAGE.glob("*.py"), *PACKAGE.glob("data/*.py"), *PACKAGE.glob("distributed/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level > 0 and not (node.module or "").endswith("_checks"):
                 offenders += [f"{path.name}: {alias.name} from {node.module}" for alias in node.names if alias.name.startswith("_")]
-    assert sorted(set(offenders) - KNOWN_PRIVATE_IMPORTS) == []
+    assert sorted(set(offenders)) == []
 
 
 def test_library_modules_do_not_load_the_benchmark_or_the_grader():

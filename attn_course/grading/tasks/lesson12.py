@@ -1,4 +1,14 @@
-"""Graded tasks for lesson 12 (attention across devices): the zig-zag layout, one ring step, and (stretch) its backward."""
+"""Graded tasks for lesson 12 (attention across devices): the zig-zag layout, one ring step, and (stretch) its backward.
+
+Each task is the library's own concept, so calling the library's implementation of it gives the
+task zero (``forbidden``): ``sequence_positions`` for the layout, ``ring_step`` (or
+``ring_attention``) for the ring step, ``ring_step_backward`` for its gradients. Lesson 07's
+``partial_attention`` and ``merge_partials`` stay allowed: the ring step is built on them. The
+ring step is also graded on its form (``measure``): a rank holds one block of scores at a time,
+so nothing it builds may be larger than the block's ``(B, H, Lq, Lk)`` scores (or its inputs);
+an ``(L, L)`` causal mask of the whole sequence, or scores as a broadcast ``(Lq, Lk, D)``
+product, give the right values the wrong way.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +16,12 @@ import math
 
 import torch
 
-from ...chunked import PartialAttention, _log_sum_exp, finish_partial, merge_partials, partial_attention
+from ...chunked import PartialAttention, finish_partial, log_sum_exp, merge_partials, partial_attention
 from ...distributed import ring_step as library_ring_step
 from ...distributed import ring_step_backward as library_ring_step_backward
 from ...distributed import sequence_positions
-from ..core import Case, Fail, Task
-from ..judging import Checklist, expect_close, expect_dtype, expect_finite, expect_shape
+from ..core import Case, Fail, Task, Wrong
+from ..judging import Checklist, expect_close, expect_dtype, expect_finite, expect_largest_below, expect_shape
 from ._common import returned, seeded_randn
 from ._variants import distinct_match
 
@@ -24,7 +34,7 @@ __all__ = ["ZIGZAG_POSITIONS", "RING_STEP", "RING_STEP_BACKWARD"]
 # It raises ValueError when 2W does not divide seq_len.
 
 _ZIGZAG_SIZES = [(16, 4), (24, 3), (8, 1), (12, 2)]
-_ZIGZAG_BAD = [(10, 4), (12, 4)]  # 12 is a multiple of 4 but not of 8
+_ZIGZAG_BAD = [(10, 4), (12, 4), (20, 4)]  # 12 and 20 are multiples of 4 but not of 8
 
 
 def _zigzag_cases() -> list[Case]:
@@ -135,7 +145,29 @@ def _judge_zigzag(cases, outcomes):
 
 
 def _zigzag_reference(seq_len, world_size):
-    return sequence_positions(seq_len, world_size, layout="zigzag")
+    """Written out: the library's sequence_positions is what this task asks for."""
+    chunks = 2 * world_size
+    if seq_len % chunks:
+        raise ValueError(f"seq_len = {seq_len} is not divisible by 2 * world_size = {chunks}")
+    chunk = torch.arange(seq_len).view(chunks, seq_len // chunks)  # (2W, L/2W): row i is chunk i
+    return [torch.cat([chunk[r], chunk[chunks - 1 - r]]) for r in range(world_size)]  # W x (L/W,)
+
+
+def _zigzag_lists(seq_len, world_size):
+    """Correct: plain Python lists, built token by token."""
+    if seq_len % (2 * world_size):
+        raise ValueError("pad the sequence")
+    chunk = seq_len // (2 * world_size)
+    return [[r * chunk + i for i in range(chunk)] + [(2 * world_size - 1 - r) * chunk + i for i in range(chunk)]
+            for r in range(world_size)]
+
+
+def _zigzag_int32_chunks(seq_len, world_size):
+    """Correct: int32 positions from torch.chunk, returned as a tuple."""
+    if seq_len % (2 * world_size):
+        raise ValueError("pad the sequence")
+    chunks = torch.arange(seq_len, dtype=torch.int32).chunk(2 * world_size)
+    return tuple(torch.cat([chunks[r], chunks[-1 - r]]) for r in range(world_size))
 
 
 def _zigzag_chunks(seq_len, world_size, *, late=lambda r, W: 2 * W - 1 - r, late_first=False, check=True):
@@ -150,7 +182,8 @@ def _zigzag_chunks(seq_len, world_size, *, late=lambda r, W: 2 * W - 1 - r, late
 
 
 def _zigzag_contiguous(seq_len, world_size):
-    return sequence_positions(seq_len, world_size, layout="contiguous")
+    per_rank = seq_len // world_size
+    return [torch.arange(r * per_rank, (r + 1) * per_rank) for r in range(world_size)]
 
 
 def _zigzag_strided_pair(seq_len, world_size):
@@ -181,6 +214,12 @@ def _zigzag_checks_world_size_only(seq_len, world_size):
     return _zigzag_chunks(seq_len, world_size, check=False)
 
 
+def _zigzag_delegates(seq_len, world_size):
+    import attn_course as ac
+
+    return ac.sequence_positions(seq_len, world_size, layout="zigzag")
+
+
 ZIGZAG_POSITIONS = Task(
     id="12.zigzag_positions",
     title="The zig-zag layout: which tokens each rank holds",
@@ -189,14 +228,19 @@ ZIGZAG_POSITIONS = Task(
     judge=_judge_zigzag,
     reference=_zigzag_reference,
     wrong={
-        "contiguous split": (_zigzag_contiguous, "contiguous split"),
-        "pairs chunk r with chunk r + W": (_zigzag_strided_pair, "chunk r with chunk 2W - 1 - r"),
-        "late chunk first": (_zigzag_late_first, "put the early chunk first"),
-        "late chunk off by one (2W - r)": (_zigzag_off_by_one, "chunk 2W - 1 - r: tokens"),
-        "chunk numbers instead of token positions": (_zigzag_chunk_numbers, "not the chunk numbers"),
-        "no error when 2W does not divide L": (_zigzag_never_raises, "returned instead of raising"),
-        "checks only L % W": (_zigzag_checks_world_size_only, "seq_len % (2 * world_size)"),
+        "contiguous split": Wrong(_zigzag_contiguous, "contiguous split"),
+        "pairs chunk r with chunk r + W": Wrong(_zigzag_strided_pair, "chunk r with chunk 2W - 1 - r"),
+        "late chunk first": Wrong(_zigzag_late_first, "put the early chunk first"),
+        "late chunk off by one (2W - r)": Wrong(_zigzag_off_by_one, "chunk 2W - 1 - r: tokens"),
+        "chunk numbers instead of token positions": Wrong(_zigzag_chunk_numbers, "not the chunk numbers"),
+        "no error when 2W does not divide L": Wrong(_zigzag_never_raises, "returned instead of raising"),
+        "checks only L % W": Wrong(_zigzag_checks_world_size_only, "seq_len % (2 * world_size)"),
+        "calls attn_course.sequence_positions": Wrong(
+            _zigzag_delegates, "you called attn_course.sequence_positions", kind="algorithm"
+        ),
     },
+    accepted={"plain lists, token by token": _zigzag_lists, "int32 chunks in a tuple": _zigzag_int32_chunks},
+    forbidden=("attn_course.distributed.layout.sequence_positions",),
 )
 
 
@@ -236,6 +280,16 @@ def _ring_step_cases() -> list[Case]:
         running_two = _partial(q3[..., zig3[1], :], k3[..., zig3[source], :], v3[..., zig3[source], :],
                                zig3[1], zig3[source], is_causal=True, running=running_two)
     last = (running_two, q3[..., zig3[1], :], k3[..., zig3[2], :], v3[..., zig3[2], :])
+    # Four ranks, zig-zag, L = 64 (16 tokens per rank), causal and padded: large enough that an (L, L)
+    # mask of the whole sequence (4096) is 4 times the block's (B, H, Lq, Lk) scores (1024).
+    zig4 = sequence_positions(64, 4, layout="zigzag")
+    q4, k4, v4 = randn(B, H, 64, D), randn(B, H, 64, D), randn(B, H, 64, Dv)
+    keep4 = torch.ones(B, 64, dtype=torch.bool)  # (B, L), True = real token
+    keep4[0, 34:40] = False  # batch 0: padding inside rank 3's block
+    keep4[0, 60:] = False  # ... and at the end of the sequence, in rank 0's block
+    keep4[1, :3] = False  # batch 1: queries 0-2 see no key at all when causal
+    own4 = (q4[..., zig4[0], :], k4[..., zig4[0], :], v4[..., zig4[0], :])
+    running_own4 = _partial(*own4, zig4[0], zig4[0], keep4[:, zig4[0]], is_causal=True)
 
     def case(name, running, qq, kk, vv, q_positions, k_positions, key_padding_mask=None, is_causal=False):
         return Case(name, (running, qq, kk, vv), dict(q_positions=q_positions, k_positions=k_positions,
@@ -256,10 +310,15 @@ def _ring_step_cases() -> list[Case]:
              None, q0[..., :3, :], k1, v1, zig[0][:3], zig[1], is_causal=True),
         case("the last step of a 3-rank ring (L = 18, causal): finishing gives attention over the whole sequence",
              *last, zig3[1], zig3[2], is_causal=True),
+        case("4 ranks, L = 64, causal and padded: rank 0's own block at step 0 (positions 0-7 and 56-63)",
+             None, *own4, zig4[0], zig4[0], key_padding_mask=keep4[:, zig4[0]], is_causal=True),
+        case("4 ranks, L = 64, causal and padded: rank 0 merges rank 3's block (positions 24-39) at step 1",
+             running_own4, own4[0], k4[..., zig4[3], :], v4[..., zig4[3], :], zig4[0], zig4[3],
+             key_padding_mask=keep4[:, zig4[3]], is_causal=True),
     ]
 
 
-_FIRST, _MERGE, _CAUSAL_OTHER, _CAUSAL_OWN, _PADDED, _FUTURE, _LAST = range(7)
+_FIRST, _MERGE, _CAUSAL_OTHER, _CAUSAL_OWN, _PADDED, _FUTURE, _LAST, _WIDE_OWN, _WIDE_OTHER = range(9)
 
 
 def _when(condition: bool, make):
@@ -325,13 +384,49 @@ def _diagnose_step(got_acc: torch.Tensor, case: Case) -> str | None:
     ])
 
 
+def _close_or_diagnosed(got: torch.Tensor, expected: torch.Tensor, *, what: str, diagnose) -> None:
+    """``expect_close`` (float64 tolerances); only wrong values pay for ``diagnose()``, which tries a dozen variants."""
+    try:
+        expect_close(got, expected, what=what, atol=1e-9, rtol=1e-7)
+    except Fail:
+        expect_close(got, expected, what=what, atol=1e-9, rtol=1e-7, hint=diagnose() or "")
+        raise
+
+
+def _block_limit(case: Case) -> int:
+    """The largest tensor an honest step needs: the block's (B, H, Lq, Lk) scores, or an input's size (a copy of q)."""
+    running, q, k, v = case.args
+    sizes = [q[..., 0].numel() * k.shape[-2], q.numel(), k.numel(), v.numel()]
+    return max(sizes + [t.numel() for t in running or ()])
+
+
+def _form_advice(outcome, case: Case) -> str:
+    """What a ring step never builds, and how to avoid the largest tensor this function built."""
+    _, q, k, _ = case.args
+    B, H, Lq, _ = q.shape
+    shape = outcome.probe.get("largest_shape") if isinstance(outcome.probe, dict) else None
+    dims = len(shape.split(" x ")) if isinstance(shape, str) and shape else 0
+    advice = (f"a ring step holds one block of scores at a time, so nothing it builds needs to be larger than this "
+              f"block's (B, H, Lq, Lk) = ({B}, {H}, {Lq}, {k.shape[-2]}) scores, or than its inputs.")
+    if dims == 2:
+        advice += (" Build the causal mask from the two position vectors, k_positions[None, :] <= q_positions[:, None], "
+                   "(Lq, Lk): an (L, L) mask of the whole sequence is what splitting the sequence is meant to avoid.")
+    elif dims >= 5:
+        advice += (" Compute the scores with one matrix product, q @ k.transpose(-2, -1): a broadcast product over "
+                   "(Lq, Lk, D) holds D numbers for every score before the sum.")
+    return advice
+
+
 def _judge_ring_step(cases, outcomes):
     checklist = Checklist()
+    expected_of: dict[int, tuple] = {}  # the library's partial for each case, computed once
 
     def parts(index):
         case, outcome = cases[index], outcomes[index]
         got = tuple(returned(outcome, what=case.name, index=i) for i in range(3))
-        expected = _expected_step(case)
+        if index not in expected_of:
+            expected_of[index] = _expected_step(case)
+        expected = expected_of[index]
         for value, want, label in zip(got, expected, ("acc", "row_max", "row_sum")):
             expect_shape(value, want.shape, what=f"{case.name}: {label}",
                          hint="acc is (B, H, Lq, Dv); row_max and row_sum are (B, H, Lq, 1), as in lesson 07.")
@@ -349,9 +444,8 @@ def _judge_ring_step(cases, outcomes):
             if torch.isnan(value).any():
                 raise Fail(f"{case.name}: NaN in {label}. A row with no allowed key has max -inf, and exp(-inf - (-inf)) "
                            "= exp(nan): shift by 0 where the max is -inf (lesson 07's partial_attention and merge_partials do).")
-        hint = _diagnose_step(acc, case) or ""
-        expect_close(acc, want_acc, what=f"{case.name}: acc", atol=1e-9, rtol=1e-7, hint=hint)
-        expect_close(row_sum, want_sum, what=f"{case.name}: row_sum", atol=1e-9, rtol=1e-7, hint=hint)
+        _close_or_diagnosed(acc, want_acc, what=f"{case.name}: acc", diagnose=lambda: _diagnose_step(acc, case))
+        _close_or_diagnosed(row_sum, want_sum, what=f"{case.name}: row_sum", diagnose=lambda: _diagnose_step(acc, case))
         if not torch.equal(row_max.double(), want_max.double()) and not torch.allclose(row_max.double(), want_max.double(),
                                                                                         atol=1e-9, rtol=1e-7):
             raise Fail(f"{case.name}: row_max should be the largest allowed score per row so far (max of the running "
@@ -368,6 +462,7 @@ def _judge_ring_step(cases, outcomes):
         ("causal mask from the global positions, not the local indices", (_CAUSAL_OTHER, _CAUSAL_OWN)),
         ("the padding mask of the arriving block", (_PADDED,)),
         ("rows with no allowed key stay finite (running=None, block in the future)", (_FUTURE,)),
+        ("4 ranks, L = 64, causal and padded: the own block, then another rank's", (_WIDE_OWN, _WIDE_OTHER)),
     ):
         with checklist.check(title):
             for index in indices:
@@ -376,8 +471,12 @@ def _judge_ring_step(cases, outcomes):
         case, (acc, _, row_sum), _ = parts(_LAST)
         expected = finish_partial(PartialAttention(*_expected_step(case)))  # equals SDPA over all 18 tokens
         got = acc / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
-        expect_close(got, expected, what=f"{case.name}: acc / row_sum", atol=1e-9, rtol=1e-7,
-                     hint=_diagnose_step(acc, case) or "")
+        _close_or_diagnosed(got, expected, what=f"{case.name}: acc / row_sum", diagnose=lambda: _diagnose_step(acc, case))
+    with checklist.check("holds one block of scores at a time: nothing larger than the block's (B, H, Lq, Lk) scores"):
+        for index in ran():
+            case, outcome = cases[index], outcomes[index]
+            parts(index)  # a number for the form only once the function returns partials of the right shapes
+            expect_largest_below(outcome, _block_limit(case) + 1, what=case.name, constraint=_form_advice(outcome, case))
     with checklist.check("leaves running, q, k and v unchanged"):
         for index in ran():
             case, outcome = cases[index], outcomes[index]
@@ -394,18 +493,45 @@ def _judge_ring_step(cases, outcomes):
 
 
 def _ring_step_reference(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
-    return tuple(library_ring_step(running, q, k, v, q_positions=q_positions, k_positions=k_positions,
-                                   key_padding_mask=key_padding_mask, is_causal=is_causal))
+    """Written out on lesson 07's partial_attention and merge_partials (the library's ring_step is the task)."""
+    return _by_hand(running, q, k, v, q_positions, k_positions, key_padding_mask, is_causal)
+
+
+def _ring_step_from_scratch(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
+    """Correct: written out without lesson 07's helpers, with einsum and torch.where."""
+    scores = torch.einsum("bhld,bhsd->bhls", q, k) / q.shape[-1] ** 0.5  # (B, H, Lq, Lk)
+    allowed = torch.ones_like(scores, dtype=torch.bool)  # (B, H, Lq, Lk)
+    if is_causal:
+        allowed = allowed & (k_positions.view(1, 1, 1, -1) <= q_positions.view(1, 1, -1, 1))
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.view(q.shape[0], 1, 1, -1)
+    block_max = torch.where(allowed, scores, torch.full_like(scores, -torch.inf)).amax(-1, keepdim=True)  # (B, H, Lq, 1)
+    if running is None:
+        running = (torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), torch.full_like(block_max, -torch.inf),
+                   torch.zeros_like(block_max))
+    acc, row_max, row_sum = running
+    new_max = torch.maximum(row_max, block_max)  # (B, H, Lq, 1)
+    shift = torch.nan_to_num(new_max, neginf=0.0)  # 0 where no key was allowed yet
+    exps = torch.exp(scores - shift) * allowed  # (B, H, Lq, Lk)
+    old = torch.exp(row_max - shift)  # (B, H, Lq, 1)
+    return acc * old + exps @ v, new_max, row_sum * old + exps.sum(-1, keepdim=True)
 
 
 def _by_hand(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False, *,
              local=False, strict=False, flip=False, ignore_mask=False, scale=None, merge="online", nan=False,
-             in_place=False, finish=False):
+             in_place=False, finish=False, whole_mask=False, broadcast=False):
     """One ring step written out, with one classic mistake switched on."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.transpose(-2, -1) * scale  # (B, H, Lq, Lk)
+    if broadcast:
+        scores = (q[..., :, None, :] * k[..., None, :, :]).sum(-1) * scale  # (B, H, Lq, Lk) via (B, H, Lq, Lk, D)
+    else:
+        scores = q @ k.transpose(-2, -1) * scale  # (B, H, Lq, Lk)
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
-    if is_causal:
+    if is_causal and whole_mask:
+        L = int(torch.maximum(q_positions.max(), k_positions.max())) + 1
+        everything = torch.ones(L, L, dtype=torch.bool).tril()  # (L, L): the causal mask of the whole sequence
+        allowed = everything[q_positions][:, k_positions]  # (Lq, Lk)
+    elif is_causal:
         qp, kp = (torch.arange(q.shape[-2]), torch.arange(k.shape[-2])) if local else (q_positions, k_positions)
         allowed = kp[None, :] < qp[:, None] if strict else kp[None, :] <= qp[:, None]  # (Lq, Lk)
     if key_padding_mask is not None and not ignore_mask:
@@ -442,6 +568,13 @@ def _wrong(**mistake):
     return step
 
 
+def _ring_step_delegates(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
+    import attn_course as ac
+
+    return tuple(ac.ring_step(running, q, k, v, q_positions=q_positions, k_positions=k_positions,
+                              key_padding_mask=key_padding_mask, is_causal=is_causal))
+
+
 RING_STEP = Task(
     id="12.ring_step",
     title="One step of ring attention: merge the arriving K/V block",
@@ -450,17 +583,27 @@ RING_STEP = Task(
     judge=_judge_ring_step,
     reference=_ring_step_reference,
     wrong={
-        "ignores the running partial": (_wrong(merge="replace"), "returned only the new block's partial"),
-        "adds without rescaling": (_wrong(merge="add"), "rescale both"),
-        "causal mask from local indices": (_wrong(local=True), "compare the global positions"),
-        "causal mask off by one (<)": (_wrong(strict=True), "off by one"),
-        "padding mask polarity flipped": (_wrong(flip=True), "wrong way round"),
-        "padding mask ignored": (_wrong(ignore_mask=True), "padding mask is ignored"),
-        "no 1/sqrt(D) scale": (_wrong(scale=1.0), "not scaled"),
-        "NaN for rows with no allowed key": (_wrong(nan=True), "exp(nan)"),
-        "returns the finished output": (_wrong(finish=True), "Keep acc unnormalised"),
-        "updates running in place": (_wrong(in_place=True), "changed `running` in place"),
+        "ignores the running partial": Wrong(_wrong(merge="replace"), "returned only the new block's partial"),
+        "adds without rescaling": Wrong(_wrong(merge="add"), "rescale both"),
+        "causal mask from local indices": Wrong(_wrong(local=True), "compare the global positions"),
+        "causal mask off by one (<)": Wrong(_wrong(strict=True), "off by one"),
+        "padding mask polarity flipped": Wrong(_wrong(flip=True), "wrong way round"),
+        "padding mask ignored": Wrong(_wrong(ignore_mask=True), "padding mask is ignored"),
+        "no 1/sqrt(D) scale": Wrong(_wrong(scale=1.0), "not scaled"),
+        "NaN for rows with no allowed key": Wrong(_wrong(nan=True), "exp(nan)"),
+        "returns the finished output": Wrong(_wrong(finish=True), "Keep acc unnormalised"),
+        "updates running in place": Wrong(_wrong(in_place=True), "changed `running` in place", kind="contract"),
+        "causal mask cut out of an (L, L) mask of the whole sequence": Wrong(
+            _wrong(whole_mask=True), "an (L, L) mask of the whole sequence", kind="algorithm"
+        ),
+        "scores as a broadcast (Lq, Lk, D) product": Wrong(
+            _wrong(broadcast=True), "a broadcast product", kind="algorithm"
+        ),
+        "calls attn_course.ring_step": Wrong(_ring_step_delegates, "you called attn_course.ring_step", kind="algorithm"),
     },
+    accepted={"written out without lesson 07's helpers (einsum, torch.where)": _ring_step_from_scratch},
+    measure=("largest",),
+    forbidden=("attn_course.distributed.ring.ring_step", "attn_course.distributed.ring.ring_attention"),
 )
 
 
@@ -492,7 +635,7 @@ def _backward_cases() -> list[Case]:
             running = library_ring_step(running, q[..., zig[0], :], k[..., zig[block], :], v[..., zig[block], :],
                                         q_positions=zig[0], k_positions=zig[block], is_causal=is_causal,
                                         key_padding_mask=None if mask is None else mask[:, zig[block]])
-        out, lse = finish_partial(running), _log_sum_exp(running)
+        out, lse = finish_partial(running), log_sum_exp(running)
         cases.append(Case(name, (q[..., zig[0], :], k[..., zig[source], :], v[..., zig[source], :],
                                  grad_out[..., zig[0], :], out, lse),
                           dict(q_positions=zig[0], k_positions=zig[source],
@@ -502,12 +645,24 @@ def _backward_cases() -> list[Case]:
     positions_q, positions_k = torch.arange(7, 10), torch.arange(7)
     running = library_ring_step(None, q4, k4, v4, q_positions=positions_q, k_positions=positions_k)
     cases.append(Case("3 queries against a block of 7 keys (Lq != Lk), not causal, out and lse from this block alone",
-                      (q4, k4, v4, g4, finish_partial(running), _log_sum_exp(running)),
+                      (q4, k4, v4, g4, finish_partial(running), log_sum_exp(running)),
                       dict(q_positions=positions_q, k_positions=positions_k, key_padding_mask=None, is_causal=False)))
+    # Padded, not causal: batch 1's whole sequence is padding, so every one of its rows has lse = -inf.
+    empty = torch.ones(B, L, dtype=torch.bool)  # (B, L), True = real key
+    empty[0, 8:12] = False  # batch 0: four padded keys inside rank 2's block (positions 6-11)
+    empty[1, :] = False
+    running = None
+    for block in range(W):  # rank 1's queries (positions 3-5, 12-14) over the whole ring
+        running = library_ring_step(running, q[..., zig[1], :], k[..., zig[block], :], v[..., zig[block], :],
+                                    q_positions=zig[1], k_positions=zig[block], key_padding_mask=empty[:, zig[block]])
+    cases.append(Case("padded, not causal: rank 1 against rank 2's block; batch 1 is all padding (every lse = -inf)",
+                      (q[..., zig[1], :], k[..., zig[2], :], v[..., zig[2], :], grad_out[..., zig[1], :],
+                       finish_partial(running), log_sum_exp(running)),
+                      dict(q_positions=zig[1], k_positions=zig[2], key_padding_mask=empty[:, zig[2]], is_causal=False)))
     return cases
 
 
-_BW_PLAIN, _BW_CAUSAL, _BW_PADDED, _BW_RECT = range(4)
+_BW_PLAIN, _BW_CAUSAL, _BW_PADDED, _BW_RECT, _BW_EMPTY = range(5)
 _SHAPE_HINTS = [(needle, "two shapes do not fit in a matmul (the block has fewer queries than keys here): dv = P^T @ "
                  "grad_out (transpose the weights), dk = dS^T @ q, dq_part = dS @ k.")
                 for needle in ("size", "cannot be multiplied")]
@@ -534,7 +689,7 @@ def _diagnose_backward(label: str, got: torch.Tensor, case: Case) -> str | None:
         return library_ring_step_backward(*args.values(), **options)[index]
 
     return distinct_match(got, expected[index], [
-        (lambda: variant(lse=_log_sum_exp(block_only)),
+        (lambda: variant(lse=log_sum_exp(block_only)),
          "you recomputed the softmax over this block only. The weights are exp(scores - lse) with the *final* lse "
          "of each query over every key of the sequence: use the lse you are given."),
         (lambda: variant(out=torch.zeros_like(out)),
@@ -555,11 +710,14 @@ def _diagnose_backward(label: str, got: torch.Tensor, case: Case) -> str | None:
 
 def _judge_backward(cases, outcomes):
     checklist = Checklist()
+    expected_of: dict[int, tuple] = {}  # the library's gradients for each case, computed once
 
     def parts(index):
         case, outcome = cases[index], outcomes[index]
         got = tuple(returned(outcome, what=case.name, index=i, hints=_SHAPE_HINTS) for i in range(3))
-        expected = _expected_backward(case)
+        if index not in expected_of:
+            expected_of[index] = _expected_backward(case)
+        expected = expected_of[index]
         hints = ("dq_part has q's shape (B, H, Lq, D).", "dk has k's shape (B, H, Lk, D): dS^T @ q.",
                  "dv has v's shape (B, H, Lk, Dv): P^T @ grad_out (transpose the weights).")
         for value, want, label, hint in zip(got, expected, ("dq_part", "dk", "dv"), hints):
@@ -581,8 +739,8 @@ def _judge_backward(cases, outcomes):
             expect_finite(value, what=f"{case.name}: {label}", hint=(
                 "A row with no allowed key has lse = -inf; its scores are -inf too, so use lse = 0 there and every "
                 "weight is exp(-inf) = 0."))
-            expect_close(value, want, what=f"{case.name}: {label}", atol=1e-9, rtol=1e-7,
-                         hint=_diagnose_backward(label, value, case) or "")
+            _close_or_diagnosed(value, want, what=f"{case.name}: {label}",
+                                diagnose=lambda: _diagnose_backward(label, value, case))
 
     with checklist.check("returns (dq_part, dk, dv) shaped like q, k and v"):
         for index in ran():
@@ -597,6 +755,7 @@ def _judge_backward(cases, outcomes):
         compare(_BW_CAUSAL)
     with checklist.check("padding, and rows with no allowed key (lse = -inf) stay finite"):
         compare(_BW_PADDED)
+        compare(_BW_EMPTY)
     with checklist.check("leaves its inputs unchanged"):
         for index in ran():
             case, outcome = cases[index], outcomes[index]
@@ -607,8 +766,25 @@ def _judge_backward(cases, outcomes):
 
 
 def _backward_reference(q, k, v, grad_out, out, lse, q_positions, k_positions, key_padding_mask=None, is_causal=False):
-    return library_ring_step_backward(q, k, v, grad_out, out, lse, q_positions=q_positions, k_positions=k_positions,
-                                      key_padding_mask=key_padding_mask, is_causal=is_causal)
+    """Written out (the library's ring_step_backward is what this task asks for)."""
+    return _backward_by_hand(q, k, v, grad_out, out, lse, q_positions, k_positions, key_padding_mask, is_causal)
+
+
+def _backward_from_autograd(q, k, v, grad_out, out, lse, q_positions, k_positions, key_padding_mask=None,
+                            is_causal=False):
+    """Correct: dq, dk, dv by autograd through this block's share of the output instead of the formulas."""
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, H, Lq, Lk)
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
+    if is_causal:
+        allowed = k_positions[None, :] <= q_positions[:, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    weights = torch.exp(scores.masked_fill(~allowed, -torch.inf) - torch.nan_to_num(lse, neginf=0.0))
+    delta = (grad_out * out).sum(-1, keepdim=True)  # (B, H, Lq, 1)
+    # d(out)/d(scores) through this block's weights only (lse is a constant), and d(out)/d(v).
+    share = (weights * (grad_out @ v.transpose(-2, -1) - delta).detach()).sum() + (weights.detach() @ v * grad_out).sum()
+    return torch.autograd.grad(share, (q, k, v))
 
 
 def _backward_by_hand(q, k, v, grad_out, out, lse, q_positions, k_positions, key_padding_mask=None, is_causal=False, *,
@@ -643,22 +819,35 @@ def _backward_wrong(**mistake):
     return backward
 
 
+def _backward_delegates(q, k, v, grad_out, out, lse, q_positions, k_positions, key_padding_mask=None, is_causal=False):
+    import attn_course as ac
+
+    return ac.ring_step_backward(q, k, v, grad_out, out, lse, q_positions=q_positions, k_positions=k_positions,
+                                 key_padding_mask=key_padding_mask, is_causal=is_causal)
+
+
 RING_STEP_BACKWARD = Task(
     id="12.ring_step_backward",
-    title="Stretch: one block's gradients for the ring's backward pass",
+    title="One block's gradients for the ring's backward pass",
     function_name="ring_step_backward",
     make_cases=_backward_cases,
     judge=_judge_backward,
     reference=_backward_reference,
     wrong={
-        "softmax over this block only": (_backward_wrong(block_lse=True), "final lse"),
-        "no delta": (_backward_wrong(delta="none"), "is missing: dS = P * (dP - delta)"),
-        "delta from grad_out alone": (_backward_wrong(delta="grad_only"), "not grad_out alone"),
-        "no scale in dS": (_backward_wrong(scale_times=0), "a 1/sqrt(D): the scores were"),
-        "scale applied twice": (_backward_wrong(scale_times=2), "applied twice"),
-        "causal mask forgotten in backward": (_backward_wrong(causal=False), "causal mask is missing"),
-        "padding mask forgotten in backward": (_backward_wrong(padding=False), "padding mask is missing"),
-        "dv without the transpose": (_backward_wrong(transpose_dv=True), "transpose the weights"),
-        "NaN for rows with no allowed key": (_backward_wrong(guard=False), "lse = 0 there"),
+        "softmax over this block only": Wrong(_backward_wrong(block_lse=True), "final lse"),
+        "no delta": Wrong(_backward_wrong(delta="none"), "is missing: dS = P * (dP - delta)"),
+        "delta from grad_out alone": Wrong(_backward_wrong(delta="grad_only"), "not grad_out alone"),
+        "no scale in dS": Wrong(_backward_wrong(scale_times=0), "a 1/sqrt(D): the scores were"),
+        "scale applied twice": Wrong(_backward_wrong(scale_times=2), "applied twice"),
+        "causal mask forgotten in backward": Wrong(_backward_wrong(causal=False), "causal mask is missing"),
+        "padding mask forgotten in backward": Wrong(_backward_wrong(padding=False), "padding mask is missing"),
+        "dv without the transpose": Wrong(_backward_wrong(transpose_dv=True), "transpose the weights"),
+        "NaN for rows with no allowed key": Wrong(_backward_wrong(guard=False), "lse = 0 there"),
+        "calls attn_course.ring_step_backward": Wrong(
+            _backward_delegates, "you called attn_course.ring_step_backward", kind="algorithm"
+        ),
     },
+    accepted={"autograd through this block's share of the output": _backward_from_autograd},
+    forbidden=("attn_course.distributed.ring.ring_step_backward",),
+    stretch=True,
 )
