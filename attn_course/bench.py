@@ -509,10 +509,10 @@ def format_attention_table(results: dict) -> str:
         f"{results['device']} ({results['threads']} threads); 2048 x 2048 matmul {results['matmul_gflops']:.1f} GFLOP/s "
         "(median; each row uses the rate timed alongside it)",
         f"peak memory: {results['memory_method'] or 'not measured'}"
-        + (f"; noise floor {_megabytes(results['memory_baseline_bytes'])} MB subtracted"
+        + (f"; noise floor {_megabytes(results['memory_baseline_bytes'])} MiB subtracted"
            if results["memory_baseline_bytes"] is not None else ""),
         "",
-        f"{'N':>6}  {'variant':<16}{'time ms':>10}{'peak MB':>10}{'GFLOP/s':>9}{'of matmul':>11}",
+        f"{'N':>6}  {'variant':<16}{'time ms':>10}{'peak MiB':>10}{'GFLOP/s':>9}{'of matmul':>11}",
     ]
     for point in results["points"]:
         lines.append(
@@ -546,7 +546,7 @@ def plot_attention_bench(results: dict, *, path: str | os.PathLike | None = None
         if measured:
             memory_axes.plot(*zip(*measured), marker="o", label=LABELS[variant])
     cfg = results["config"]
-    for axes, ylabel in ((time_axes, "forward time (ms)"), (memory_axes, "peak memory added (MB)")):
+    for axes, ylabel in ((time_axes, "forward time (ms)"), (memory_axes, "peak memory added (MiB)")):
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("sequence length N")

@@ -174,6 +174,43 @@ def test_never_forms_the_full_score_matrix(gen):
     assert largest <= 2 * 64 * 128 * 8 * 2, largest  # about one (chunk x chunk) block, never L x S
 
 
+def _matmul_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize(
+    "L,S,computed_pairs",
+    [
+        # 4 x 4 chunks of 16: the 1 + 2 + 3 + 4 = 10 blocks on or below the diagonal, of 16
+        pytest.param(64, 64, 10 * 16 * 16, id="L=S"),
+        # query chunks [0, 16), [16, 32), [32, 40) read keys [0, 16), [0, 32), [0, 40): 16*16 + 16*32 + 8*48
+        pytest.param(40, 64, 16 * 16 + 16 * 32 + 8 * 48, id="L<S"),
+        # queries past S see every key: 16*16 + 16*32 + 16*40 + 16*40
+        pytest.param(64, 40, 16 * 16 + 16 * 32 + 16 * 40 + 16 * 40, id="L>S"),
+    ],
+)
+def test_causal_skips_key_chunks_in_the_future(gen, L, S, computed_pairs):
+    """Under is_causal, a key chunk that starts after a query chunk's last query is never computed, forward or backward.
+
+    Counted with FlopCounterMode (matrix products only): each computed (query, key) pair costs 2 (D + Dv) FLOPs per
+    batch element and head forward; a training step with recompute costs 2 (4 D + 3 Dv) per pair.
+    """
+    D = Dv = 8
+    q, k, v = qkv(gen, L, S, D=D, Dv=Dv, batch=(1, 2))
+
+    def run(is_causal):
+        return chunked_attention(q, k, v, query_chunk_size=16, key_chunk_size=16, is_causal=is_causal)
+
+    with torch.no_grad():
+        assert _matmul_flops(lambda: run(False)) == 2 * 2 * L * S * (D + Dv)  # every pair, as a reference
+        assert _matmul_flops(lambda: run(True)) == 2 * 2 * computed_pairs * (D + Dv)
+    assert _matmul_flops(lambda: run(True).sum().backward()) == 2 * 2 * computed_pairs * (4 * D + 3 * Dv)
+
+
 def _saved_bytes(fn) -> int:
     total = 0
 

@@ -1,4 +1,15 @@
-"""Graded tasks for lesson 04 (the cost of attention): count the FLOPs, measure what backward keeps."""
+"""Graded tasks for lesson 04 (the cost of attention): count the FLOPs, measure what backward keeps.
+
+* ``04.attention_flops``: the FLOPs of attention's two matrix products for any shapes, compared with
+  PyTorch's ``FlopCounterMode`` (on the library's explicit attention for the small cases, on the two
+  products alone for cases far too large to run: so a learner must count, not measure).
+* ``04.saved_tensor_bytes``: the bytes autograd keeps, each storage once.
+* ``04.training_flops`` (stretch): the FLOPs of a forward and backward pass, storing the weights or
+  recomputing them, compared with ``FlopCounterMode`` over the library's explicit and chunked attention.
+
+Calling the library's own ``attention_flops`` or ``saved_tensor_bytes`` gives the task zero
+(``forbidden``): the lesson uses them as black boxes, the exercise asks for the idea.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +19,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...attention import scaled_dot_product_attention
-from ...bench import saved_tensor_bytes
+from ...bench import attention_flops
+from ...measure import saved_tensor_bytes
+from ...chunked import chunked_attention
 from ..core import Case, Fail, Outcome, Task, Wrong
 from ..judging import NOT_IMPLEMENTED, Checklist
 
-__all__ = ["ATTENTION_FLOPS", "SAVED_TENSOR_BYTES"]
+__all__ = ["ATTENTION_FLOPS", "SAVED_TENSOR_BYTES", "TRAINING_FLOPS"]
 
 
 def _returned_number(outcome: Outcome, *, what: str, whole: bool = False) -> float:
@@ -54,13 +67,17 @@ def _numbers(cases, outcomes, *, whole: bool = False) -> list[tuple[Case, float]
 # softmax is not counted. The judge counts with PyTorch's own FlopCounterMode, not a formula.
 
 _FLOP_SHAPES = [
-    (1, 1, 4, 4, 8, 8),
-    (2, 8, 64, 64, 16, 16),
+    (2, 4, 16, 16, 8, 8),
+    (3, 2, 32, 32, 16, 16),
     (2, 3, 5, 7, 4, 6),
     (4, 2, 16, 32, 8, 2),
     (1, 1, 1, 9, 3, 5),
+    # Too large to run (these would need tens of GiB): the count must come from the shapes.
+    (8, 32, 4096, 4096, 128, 128),
+    (2, 16, 1024, 8192, 64, 96),
 ]
-_SELF_ATTENTION, _CROSS_ATTENTION = (0, 1), (2, 3, 4)
+_SELF_ATTENTION, _CROSS_ATTENTION, _LARGE_MODELS = (0, 1), (2, 3, 4), (5, 6)
+_RUNNABLE = 10**6  # B·H·L·S above this: counted on the two products of meta tensors instead of a real run
 
 
 def _flop_cases() -> list[Case]:
@@ -71,11 +88,25 @@ def _flop_cases() -> list[Case]:
 
 
 def _counted_flops(B: int, H: int, L: int, S: int, D: int, Dv: int) -> int:
-    """FLOPs PyTorch's ``FlopCounterMode`` counts for the library's explicit attention on these shapes."""
-    q, k, v = torch.zeros(B, H, L, D), torch.zeros(B, H, S, D), torch.zeros(B, H, S, Dv)
+    """FLOPs PyTorch's ``FlopCounterMode`` counts for these shapes.
+
+    Small shapes: the library's explicit attention, run. Shapes too large to run: the same two
+    products (scores, then weights times values) on ``meta`` tensors, which have shapes but no data
+    (``tests/test_grading_lesson04.py`` checks that both routes agree where both can run).
+    """
     with FlopCounterMode(display=False) as counter:
-        scaled_dot_product_attention(q, k, v, fused=False)
+        if B * H * L * S <= _RUNNABLE:
+            q, k, v = torch.zeros(B, H, L, D), torch.zeros(B, H, S, D), torch.zeros(B, H, S, Dv)
+            scaled_dot_product_attention(q, k, v, fused=False)
+        else:
+            q = torch.empty(B, H, L, D, device="meta")
+            k, v = torch.empty(B, H, S, D, device="meta"), torch.empty(B, H, S, Dv, device="meta")
+            torch.matmul(torch.matmul(q, k.transpose(-2, -1)), v)  # (B, H, L, S) @ (B, H, S, Dv)
     return counter.get_total_flops()
+
+
+_COUNTING_RULE = ("count each matrix product with the lesson's rule, (m, k) @ (k, n) costs 2·m·k·n FLOPs: "
+                  "attention has two of them, Q K^T and weights @ V, for every batch element and every head.")
 
 
 def _diagnose_flops(got: float, B: int, H: int, L: int, S: int, D: int, Dv: int) -> str:
@@ -102,13 +133,17 @@ def _diagnose_flops(got: float, B: int, H: int, L: int, S: int, D: int, Dv: int)
     for value, message in candidates:
         if value != expected and math.isclose(got, value, rel_tol=1e-9):
             return message[:1].upper() + message[1:]
+    big_o = {L * L * D, L * S * D, B * H * L * L * D, B * H * L * S * D, L * S * (D + Dv)}
+    if any(math.isclose(got, value, rel_tol=1e-9) for value in big_o):
+        return ("That is the article's O(N^2·d) read as a count. Big-O keeps only how the cost grows and drops the "
+                f"constants and the other sizes; a count needs them all: {_COUNTING_RULE}")
     extra = got - expected
     cells = B * H * L * S
     if extra > 0 and extra % cells == 0 and extra / cells <= 10:
         return (f"You added {extra / cells:g} FLOPs per score for the softmax. The convention here (and in "
                 "attn_course.bench.attention_flops and PyTorch's FlopCounterMode) counts the two matmuls only: the "
                 "softmax is O(L·S), not O(L·S·D), and small next to them.")
-    return f"Expected {expected:,} FLOPs, got {got:,.0f}: count 2·L·S·D for Q K^T plus 2·L·S·Dv for weights @ V, per head."
+    return f"Expected {expected:,} FLOPs, got {got:,.0f}: {_COUNTING_RULE}"
 
 
 def _judge_flops(cases, outcomes):
@@ -116,7 +151,8 @@ def _judge_flops(cases, outcomes):
     with checklist.check("returns a number for every case"):
         _numbers(cases, outcomes)
     for title, indices in (("self-attention shapes (L = S, D = Dv)", _SELF_ATTENTION),
-                           ("cross-attention shapes (L != S, D != Dv)", _CROSS_ATTENTION)):
+                           ("cross-attention shapes (L != S, D != Dv)", _CROSS_ATTENTION),
+                           ("models too large to run: count from the shapes", _LARGE_MODELS)):
         with checklist.check(title):
             for index in indices:
                 case = cases[index]
@@ -151,12 +187,23 @@ def _flops_per_head(B, H, L, S, D, Dv):
     return 2 * L * S * (D + Dv)
 
 
+def _flops_no_heads(B, H, L, S, D, Dv):
+    return 2 * B * L * S * (D + Dv)
+
+
 def _flops_with_softmax(B, H, L, S, D, Dv):
     return 2 * B * H * L * S * (D + Dv) + 5 * B * H * L * S
 
 
 def _flops_big_o(B, H, L, S, D, Dv):
     return L * L * D  # the article's O(N^2 d), read as a count
+
+
+def _flops_library(B, H, L, S, D, Dv):
+    """Right for self-attention only, and a delegation anyway: the library's count."""
+    from ...bench import AttentionBenchConfig
+
+    return attention_flops("dense", L, AttentionBenchConfig(batch=B, heads=H, head_dim=D))
 
 
 ATTENTION_FLOPS = Task(
@@ -172,9 +219,12 @@ ATTENTION_FLOPS = Task(
         "D for both matmuls": Wrong(_flops_same_dim, "used D for both"),
         "L for S": Wrong(_flops_square, "used L where S belongs"),
         "one batch element and head": Wrong(_flops_per_head, "multiply by B·H"),
+        "no heads": Wrong(_flops_no_heads, "left out the heads"),
         "softmax counted too": Wrong(_flops_with_softmax, "counts the two matmuls only"),
-        "the article's O(N^2 d) as a count": Wrong(_flops_big_o, "Expected"),
+        "the article's O(N^2 d) as a count": Wrong(_flops_big_o, "Big-O keeps only how the cost grows"),
+        "calls attn_course.bench.attention_flops": Wrong(_flops_library, "you called attn_course.bench.attention_flops"),
     },
+    forbidden=("attn_course.bench.attention_flops",),
 )
 
 
@@ -204,6 +254,11 @@ def _sin_of_slice(x):
     return torch.sin(x[:, :2])
 
 
+def _cos_of_diagonal(x):
+    """``cos`` saves its input: here the diagonal, a view of 6 elements that keeps all 36 of ``x`` alive."""
+    return torch.cos(x.diagonal())
+
+
 def _saved_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(404)
 
@@ -211,18 +266,19 @@ def _saved_cases() -> list[Case]:
         return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(grad)
 
     return [
-        Case("fn = dense attention, q, k, v (1, 2, 16, 8) float32",
-             (_dense_attention, leaf(1, 2, 16, 8, dtype=torch.float32), leaf(1, 2, 16, 8, dtype=torch.float32),
-              leaf(1, 2, 16, 8, dtype=torch.float32))),
+        Case("fn = dense attention, q (2, 2, 12, 8), k and v (2, 2, 16, 8) float32",
+             (_dense_attention, leaf(2, 2, 12, 8, dtype=torch.float32), leaf(2, 2, 16, 8, dtype=torch.float32),
+              leaf(2, 2, 16, 8, dtype=torch.float32))),
         Case("fn = x * x, x (3, 5) float64", (_square, leaf(3, 5))),
         Case("fn = tanh(x) * 2, x (4, 6) float64", (_tanh_twice, leaf(4, 6))),
         Case("fn = sin(x[:, :2]), x (5, 8) float64", (_sin_of_slice, leaf(5, 8))),
         Case("fn = x * x, x (6, 6) float16", (_square, leaf(6, 6, dtype=torch.float16))),
         Case("fn = x * x, x (3, 5) float64 that does not require grad", (_square, leaf(3, 5, grad=False))),
+        Case("fn = cos(x.diagonal()), x (6, 6) float32", (_cos_of_diagonal, leaf(6, 6, dtype=torch.float32))),
     ]
 
 
-_ATTENTION, _SQUARE, _TANH, _SLICE, _HALF, _NO_GRAD = range(6)
+_ATTENTION, _SQUARE, _TANH, _SLICE, _HALF, _NO_GRAD, _DIAGONAL = range(7)
 
 
 def _count(fn, *args, size: str = "storage", dedup: bool = True) -> int:
@@ -303,7 +359,7 @@ def _judge_saved(cases, outcomes):
     for title, indices in (
         ("dense attention: the (L, S) matrices autograd keeps", (_ATTENTION,)),
         ("a tensor saved twice counts once; an output saved counts", (_SQUARE, _TANH)),
-        ("a saved view counts the storage it keeps alive", (_SLICE,)),
+        ("a saved view counts the storage it keeps alive", (_SLICE, _DIAGONAL)),
         ("bytes per element follow the dtype (float16: 2)", (_HALF,)),
         ("nothing requires grad: nothing is saved", (_NO_GRAD,)),
     ):
@@ -317,6 +373,10 @@ def _judge_saved(cases, outcomes):
 
 
 def _saved_reference(fn, *args):
+    return _count(fn, *args)  # written out: the library's saved_tensor_bytes is forbidden to the learner
+
+
+def _saved_library(fn, *args):
     return saved_tensor_bytes(fn, *args)
 
 
@@ -358,5 +418,156 @@ SAVED_TENSOR_BYTES = Task(
         "views counted by their own size": Wrong(_saved_views, "keeps its whole storage alive"),
         "the output's bytes": Wrong(_saved_output, "measured the output"),
         "the inputs' bytes": Wrong(_saved_inputs, "counted the inputs"),
+        "calls the library's saved_tensor_bytes": Wrong(
+            _saved_library, "you called attn_course.measure.saved_tensor_bytes", kind="algorithm"),
     },
+    forbidden=("attn_course.measure.saved_tensor_bytes",),
+)
+
+
+# --- 04.training_flops (stretch) -----------------------------------------------------------
+# The learner writes training_flops(B, H, L, S, D, Dv, recompute=False) -> the FLOPs of the
+# matrix products of one forward and backward pass of attention, with gradients for q, k and v.
+# Each forward product C = A @ B costs two backward products (dA = dC @ B^T, dB = A^T @ dC), the
+# same size each: 3x the forward. recompute=True (FlashAttention, lesson 07's chunked attention)
+# also recomputes Q K^T in the backward pass. The judge counts with FlopCounterMode over the
+# library's explicit attention (recompute=False) and chunked_attention (recompute=True).
+
+_TRAINING_SHAPES = [
+    ((2, 2, 8, 8, 4, 4), False),
+    ((2, 3, 5, 7, 4, 6), False),
+    ((2, 2, 9, 4, 2, 5), False),
+    ((2, 2, 8, 8, 4, 4), True),
+    ((3, 2, 6, 10, 8, 2), True),
+    ((1, 4, 12, 5, 6, 3), True),
+]
+_STORED, _RECOMPUTED = (0, 1, 2), (3, 4, 5)
+
+
+def _training_cases() -> list[Case]:
+    return [
+        Case(f"training_flops(B={B}, H={H}, L={L}, S={S}, D={D}, Dv={Dv}, recompute={recompute})",
+             (B, H, L, S, D, Dv), {"recompute": recompute})
+        for (B, H, L, S, D, Dv), recompute in _TRAINING_SHAPES
+    ]
+
+
+def _counted_training_flops(B: int, H: int, L: int, S: int, D: int, Dv: int, recompute: bool) -> int:
+    """FlopCounterMode's count of a forward and backward pass (gradients for q, k, v) of the library's attention."""
+    q = torch.zeros(B, H, L, D, requires_grad=True)
+    k, v = torch.zeros(B, H, S, D, requires_grad=True), torch.zeros(B, H, S, Dv, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        if recompute:  # chunks smaller than L and S: the backward pass recomputes block by block
+            out = chunked_attention(q, k, v, query_chunk_size=3, key_chunk_size=4, recompute=True)
+        else:
+            out = scaled_dot_product_attention(q, k, v, fused=False)
+        out.sum().backward()
+    return counter.get_total_flops()
+
+
+def _diagnose_training(got: float, B: int, H: int, L: int, S: int, D: int, Dv: int, recompute: bool) -> str:
+    expected = _counted_training_flops(B, H, L, S, D, Dv, recompute)
+    forward = 2 * B * H * L * S * (D + Dv)
+    scores = 2 * B * H * L * S * D  # one Q K^T
+    extra = scores if recompute else 0
+    candidates = [
+        (forward + extra, "you counted the forward pass only. Training also runs the backward pass: every forward "
+                          "product C = A @ B needs dA = dC @ B^T and dB = A^T @ dC."),
+        (2 * forward + extra, "your backward pass has one product per forward product. It needs two: dA = dC @ B^T "
+                              "and dB = A^T @ dC, one gradient for each input of the product."),
+        (3 * forward, "with recompute=True the backward pass has no weights to read: it recomputes the scores "
+                      "Q K^T first (one more 2·L·S·D per batch element and head) -- only those, not the product "
+                      "with V."),
+        (4 * forward, "recomputing redoes the scores Q K^T only, not the whole forward pass: the product with V is "
+                      "not needed again (its output was kept)."),
+        (3 * forward + 2 * B * H * L * S * Dv, "the backward pass recomputes Q K^T (2·L·S·D), not the weights @ V "
+                                               "(2·L·S·Dv)."),
+        (6 * B * H * L * S * (2 * D) + (2 * B * H * L * S * D if recompute else 0),
+         "you used D for Dv. The product with V costs 2·L·S·Dv forward, and so does each of its two gradients."),
+        (forward + 2 * B * H * L * S * (2 * D + Dv) + extra,
+         "your backward pass leaves out a gradient: dV = P^T @ dO is a product too, (S, L) @ (L, Dv)."),
+        ((3 * forward + extra) / (B * H), "you counted one batch element and one head: multiply by B·H."),
+        (3 * forward + extra - forward, "the forward pass is part of the training step too: add it."),
+    ]
+    for value, message in candidates:
+        if value != expected and math.isclose(got, value, rel_tol=1e-9):
+            return message[:1].upper() + message[1:]
+    if recompute and math.isclose(got, expected - scores, rel_tol=1e-9):
+        return candidates[2][1][:1].upper() + candidates[2][1][1:]
+    return (f"Expected {expected:,} FLOPs, got {got:,.0f}. Count every matrix product of the forward pass, then "
+            "the two products each one needs in the backward pass (one per input), with the rule 2·m·k·n.")
+
+
+def _judge_training(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("returns a number for every case"):
+        _numbers(cases, outcomes)
+    for title, indices in (("forward and backward, the weights stored (recompute=False)", _STORED),
+                           ("the backward pass recomputes the scores (recompute=True)", _RECOMPUTED)):
+        with checklist.check(title):
+            for index in indices:
+                case = cases[index]
+                got = _returned_number(outcomes[index], what=case.name)
+                expected = _counted_training_flops(*case.args, **case.kwargs)
+                if not math.isclose(got, expected, rel_tol=1e-9):
+                    raise Fail(f"{case.name}: {_diagnose_training(got, *case.args, **case.kwargs)}")
+    return checklist.results
+
+
+def _training_reference(B, H, L, S, D, Dv, recompute=False):
+    forward = 2 * B * H * L * S * (D + Dv)
+    return 3 * forward + (2 * B * H * L * S * D if recompute else 0)
+
+
+def _training_forward_only(B, H, L, S, D, Dv, recompute=False):
+    return 2 * B * H * L * S * (D + Dv) + (2 * B * H * L * S * D if recompute else 0)
+
+
+def _training_one_backward_product(B, H, L, S, D, Dv, recompute=False):
+    return 2 * 2 * B * H * L * S * (D + Dv) + (2 * B * H * L * S * D if recompute else 0)
+
+
+def _training_ignores_recompute(B, H, L, S, D, Dv, recompute=False):
+    return 3 * 2 * B * H * L * S * (D + Dv)
+
+
+def _training_recomputes_everything(B, H, L, S, D, Dv, recompute=False):
+    return (4 if recompute else 3) * 2 * B * H * L * S * (D + Dv)
+
+
+def _training_recomputes_values(B, H, L, S, D, Dv, recompute=False):
+    return 3 * 2 * B * H * L * S * (D + Dv) + (2 * B * H * L * S * Dv if recompute else 0)
+
+
+def _training_d_for_dv(B, H, L, S, D, Dv, recompute=False):
+    return _training_reference(B, H, L, S, D, D, recompute)
+
+
+def _training_no_dv(B, H, L, S, D, Dv, recompute=False):
+    return _training_reference(B, H, L, S, D, Dv, recompute) - 2 * B * H * L * S * Dv
+
+
+def _training_per_head(B, H, L, S, D, Dv, recompute=False):
+    return _training_reference(1, 1, L, S, D, Dv, recompute)
+
+
+TRAINING_FLOPS = Task(
+    id="04.training_flops",
+    title="Count the FLOPs of a training step, with and without recomputation",
+    function_name="training_flops",
+    make_cases=_training_cases,
+    judge=_judge_training,
+    reference=_training_reference,
+    wrong={
+        "forward pass only": Wrong(_training_forward_only, "counted the forward pass only"),
+        "one backward product per forward product": Wrong(_training_one_backward_product, "It needs two"),
+        "recompute ignored": Wrong(_training_ignores_recompute, "recomputes the scores"),
+        "recomputes the whole forward pass": Wrong(_training_recomputes_everything, "not the whole forward pass"),
+        "recomputes the product with V instead of the scores": Wrong(_training_recomputes_values,
+                                                                     "not the weights @ V"),
+        "D for Dv": Wrong(_training_d_for_dv, "used D for Dv"),
+        "no gradient for v": Wrong(_training_no_dv, "leaves out a gradient"),
+        "one batch element and head": Wrong(_training_per_head, "multiply by B·H"),
+    },
+    stretch=True,
 )
