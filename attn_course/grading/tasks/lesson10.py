@@ -239,13 +239,15 @@ def _conv_cases() -> list[Case]:
 
 
 def _conv_variant(x, keep, w, *, zero_padding=True, glu="ok", activation=F.silu, norm=True, bn_first=True):
-    """The convolution module with one classic mistake switched on."""
+    """The convolution module with one classic mistake switched on (``zero_padding``: True, False or "input")."""
     eps = 1e-5
+    if zero_padding == "input":  # zero the padded frames of x instead of those entering the depthwise conv
+        x = x.masked_fill(~keep[:, :, None], 0.0)  # (B, T, E)
     y = F.layer_norm(x, x.shape[-1:], w["norm.weight"], w["norm.bias"], eps) if norm else x  # (B, T, E)
     y = F.conv1d(y.transpose(1, 2), w["pointwise1.weight"], w["pointwise1.bias"])  # (B, 2E, T)
     a, b = y.chunk(2, dim=1)  # (B, E, T) each
     y = a * torch.sigmoid(b) if glu == "ok" else b * torch.sigmoid(a)  # (B, E, T)
-    if zero_padding:
+    if zero_padding is True:
         y = y.masked_fill(~keep[:, None, :], 0.0)  # (B, E, T)
     K = w["depthwise.weight"].shape[-1]
     y = F.conv1d(y, w["depthwise.weight"], w["depthwise.bias"], padding=K // 2, groups=y.shape[1])  # (B, E, T)
@@ -275,6 +277,10 @@ def _conv_reference(x, keep, weights):
 
 def _conv_no_zeroing(x, keep, w):
     return _conv_variant(x, keep, w, zero_padding=False)
+
+
+def _conv_zeroed_at_the_input(x, keep, w):
+    return _conv_variant(x, keep, w, zero_padding="input")
 
 
 def _conv_glu_swapped(x, keep, w):
@@ -331,6 +337,10 @@ def _diagnose_conv(got, x, keep, w) -> str | None:
             (variant(zero_padding=False),
              "padding leaks into real frames: the depthwise convolution near the end of a clip reads the padded "
              "frames. Zero them (masked_fill with ~keep) right before the depthwise convolution."),
+            (variant(zero_padding="input"),
+             "you zeroed the padded frames of x, at the input: LayerNorm, the pointwise convolution and the GLU "
+             "turn a zero frame into a non-zero one (their biases), which the depthwise convolution then reads "
+             "next to the real frames. Zero the padded frames right before the depthwise convolution instead."),
             (variant(glu="swapped"),
              "your GLU gates the wrong half: GLU(a, b) = a * sigmoid(b) with a the FIRST E channels (F.glu(y, dim=1))."),
             (variant(activation=F.relu),
@@ -373,8 +383,10 @@ def _judge_conv(cases, outcomes):
                 ))
                 expected = _conv_expected(x, keep, weights)
                 expect_shape(got, expected.shape, what=case.name)
-                expect_close(got[keep], expected[keep], what=f"{case.name} (real frames)", atol=1e-9, rtol=1e-7,
-                             hint=_diagnose_conv(got[keep], x, keep, weights) or "")
+                # Padded frames are free: take the expected value there, so a failure names (b, t, e).
+                real = keep[:, :, None]  # (B, T, 1)
+                expect_close(torch.where(real, got, expected), expected, what=f"{case.name} (real frames)", atol=1e-9,
+                             rtol=1e-7, hint=_diagnose_conv(got[keep], x, keep, weights) or "")
     with checklist.check("leaves x, keep and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             _expect_unchanged(case, outcome, what=case.name)
@@ -390,6 +402,8 @@ CONV_MODULE = Task(
     reference=_conv_reference,
     wrong={
         "padding not zeroed before the depthwise conv": Wrong(_conv_no_zeroing, "leaks into real frames"),
+        "padding zeroed at the input, as WeNet does (GLU biases leak)": Wrong(
+            _conv_zeroed_at_the_input, "zeroed the padded frames of x"),
         "GLU gates the wrong half": Wrong(_conv_glu_swapped, "wrong half"),
         "ReLU instead of Swish": Wrong(_conv_relu, "Swish"),
         "no LayerNorm": Wrong(_conv_no_layernorm, "LayerNorm"),
