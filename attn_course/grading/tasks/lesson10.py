@@ -92,6 +92,12 @@ def _shift_pad_right(scores):
     return padded[..., 1:, :].reshape(*batch, L, 2 * L - 1)[..., :L]
 
 
+def _shift_wrong_rows_kept(scores):
+    *batch, L, width = scores.shape
+    padded = F.pad(scores, (1, 0)).reshape(*batch, 2 * L, L)  # (..., 2L, L)
+    return padded[..., :-1, :].reshape(*batch, L, 2 * L - 1)[..., :L]  # drops the last row instead of the first
+
+
 def _shift_selection_tensor(scores):
     """Right values, wrong algorithm: a one-hot (L, L, 2L-1) tensor picks each (i, j)'s column."""
     L, width = scores.shape[-2:]
@@ -133,6 +139,9 @@ def _diagnose_shift(got, scores) -> str:
             (lambda: _shift_pad_right(scores),
              "the zero column goes in front (F.pad(scores, (1, 0))), not at the end: with it at the end the rows "
              "slide the wrong way after the reshape."),
+            (lambda: _shift_wrong_rows_kept(scores),
+             "off by one row: after padding and viewing the scores as (2L, L), drop the FIRST row "
+             "(padded[..., 1:, :]), not the last; then view as (L, 2L - 1) and keep the first L columns."),
         ],
         atol=0,
         rtol=0,
@@ -193,6 +202,7 @@ REL_SHIFT = Task(
         "row i shifted by i": Wrong(_shift_by_row, "shift it by L - 1 - i"),
         "last L columns for every row": Wrong(_shift_last_columns, "depend on the row"),
         "zero column padded at the end": Wrong(_shift_pad_right, "goes in front"),
+        "(2L, L) view: last row dropped instead of the first": Wrong(_shift_wrong_rows_kept, "Off by one row"),
         "one-hot (L, L, 2L-1) selection tensor": Wrong(_shift_selection_tensor, "grows like L^3", kind="algorithm"),
         "calls attn_course's rel_shift": Wrong(_shift_calls_the_library, "you called", kind="algorithm"),
         "float32 output for float64 scores": Wrong(_shift_float32_loop, "dtype", kind="contract"),
