@@ -467,6 +467,8 @@ def _stream_step(chunk, cache, w, *, use_cache=True, centred=False, flip=False, 
         kept = history[:, history.shape[1] - (K - 1) :]  # (B, K-1, E)
     elif new_cache == "first":
         kept = history[:, : K - 1]
+    elif new_cache == "zeros":  # the last K-1 of [zeros, this chunk]: right unless a chunk is shorter than K-1
+        kept = torch.cat((torch.zeros_like(cache), glu), dim=1)[:, history.shape[1] - (K - 1) :]
     elif new_cache == "chunk":
         kept = glu[:, max(glu.shape[1] - (K - 1), 0) :]  # only what this chunk brought
     elif new_cache == "raw":
@@ -546,6 +548,10 @@ def _cache_hint(got_cache, chunk, cache, w) -> str:
             (lambda: _stream_step(chunk, cache, w, new_cache="first")[1],
              "your new cache holds the oldest K - 1 frames; it must hold the newest: the last K - 1 frames of "
              "[cache, this chunk's frames]."),
+            (lambda: _stream_step(chunk, cache, w, new_cache="zeros")[1],
+             "your new cache forgets the old one: when a chunk is shorter than K - 1, the newest frames of the old "
+             "cache must stay in the new one (the last K - 1 of [cache, this chunk's frames], not of [zeros, "
+             "this chunk's frames]). Check your step end to end: feed it its own new cache, chunk after chunk."),
             (lambda: _stream_step(chunk, cache, w, new_cache="raw")[1],
              "your new cache holds the chunk's frames as they came in; it must hold them as they enter the "
              "depthwise convolution (after LayerNorm, pointwise conv and GLU), so they are not computed twice."),
@@ -631,6 +637,10 @@ def _stream_cache_from_chunk_only(chunk, cache, w):
     return _stream_step(chunk, cache, w, new_cache="chunk")
 
 
+def _stream_cache_forgets_old_frames(chunk, cache, w):
+    return _stream_step(chunk, cache, w, new_cache="zeros")
+
+
 def _stream_cache_raw_frames(chunk, cache, w):
     return _stream_step(chunk, cache, w, new_cache="raw")
 
@@ -658,6 +668,8 @@ STREAMING_CONV = Task(
         "kernel flipped": Wrong(_stream_flipped_kernel, "cross-correlation"),
         "new cache = the oldest K - 1 frames": Wrong(_stream_cache_oldest, "must hold the newest"),
         "new cache from this chunk only": Wrong(_stream_cache_from_chunk_only, "keeps the newest of the old"),
+        "new cache = last K - 1 of [zeros, chunk] (old cache forgotten)": Wrong(_stream_cache_forgets_old_frames,
+                                                                               "forgets the old one"),
         "cache holds the frames before the LayerNorm": Wrong(_stream_cache_raw_frames, "not computed twice"),
         "cache grows with the stream": Wrong(_stream_cache_grows, "grows without end"),
         "cache updated in place": Wrong(_stream_cache_updated_in_place, "in place", kind="contract"),
