@@ -83,24 +83,33 @@ class RandomFeatureMap(nn.Module):
     ``E[phi(q) . phi(k)] = exp(q . k / sqrt(D))``: linear attention with this map
     approximates softmax attention, better as ``num_features`` (M) grows. The rows of the
     ``(M, D)`` projection ``W`` are drawn orthogonal in blocks of D and rescaled to Gaussian
-    norms, from a seeded generator, so the map is reproducible; it is a buffer (moves with
-    ``.to(device)``), not a parameter.
+    norms (``orthogonal=True``, FAVOR+'s choice: each row is still Gaussian, so the estimate
+    stays unbiased, but within a block the rows cannot point the same way, which lowers its
+    variance), or independently Gaussian (``orthogonal=False``, the plain Monte-Carlo estimate
+    lesson 06 compares with). Drawn from a seeded generator, so the map is reproducible; it is
+    a buffer (moves with ``.to(device)``), not a parameter.
     """
 
-    def __init__(self, head_dim: int, *, num_features: int | None = None, seed: int = 0):
+    def __init__(self, head_dim: int, *, num_features: int | None = None, seed: int = 0, orthogonal: bool = True):
         super().__init__()
         self.head_dim = check_positive_int("head_dim", head_dim)
         self.num_features = check_positive_int("num_features", 2 * head_dim if num_features is None else num_features)
+        if not isinstance(orthogonal, bool):
+            raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+        self.orthogonal = orthogonal
         generator = torch.Generator().manual_seed(seed)
-        blocks = []
-        for _ in range(math.ceil(self.num_features / head_dim)):
-            gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)  # (D, D)
-            orthonormal, upper = torch.linalg.qr(gaussian)  # (D, D), orthonormal columns
-            # Fix the signs (Mezzadri 2006): without this, QR's directions are not uniformly
-            # distributed and the kernel estimate stays biased however many features are drawn.
-            orthonormal = orthonormal * torch.sign(torch.diagonal(upper))  # (D, D)
-            blocks.append(orthonormal.T)  # rows orthonormal
-        directions = torch.cat(blocks, dim=0)[: self.num_features]  # (M, D)
+        if not orthogonal:
+            gaussian = torch.randn(self.num_features, head_dim, generator=generator, dtype=torch.float64)  # (M, D)
+            self.register_buffer("projection", gaussian.float())  # (M, D), rows independent N(0, I)
+            return
+        blocks = math.ceil(self.num_features / head_dim)
+        gaussian = torch.randn(blocks, head_dim, head_dim, generator=generator, dtype=torch.float64)  # (n, D, D)
+        orthonormal, upper = torch.linalg.qr(gaussian)  # (n, D, D), orthonormal columns, all blocks in one call
+        # Fix the signs (Mezzadri 2006): without this, QR's directions are not uniformly
+        # distributed and the kernel estimate stays biased however many features are drawn.
+        orthonormal = orthonormal * torch.sign(torch.diagonal(upper, dim1=-2, dim2=-1))[:, None, :]  # (n, D, D)
+        rows = orthonormal.transpose(-2, -1)  # (n, D, D), rows orthonormal within a block
+        directions = rows.reshape(blocks * head_dim, head_dim)[: self.num_features]  # (M, D)
         norms = torch.randn(self.num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=-1)  # (M,)
         self.register_buffer("projection", (directions * norms[:, None]).float())  # (M, D), float32 like a parameter
 
@@ -113,7 +122,7 @@ class RandomFeatureMap(nn.Module):
         return torch.exp(projected - x.pow(2).sum(dim=-1, keepdim=True) / 2) / math.sqrt(self.num_features)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, num_features={self.num_features}"
+        return f"head_dim={self.head_dim}, num_features={self.num_features}, orthogonal={self.orthogonal}"
 
 
 _NAMED_MAPS: dict[str, FeatureMap] = {"elu": elu_feature_map, "relu": relu_feature_map}

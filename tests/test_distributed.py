@@ -43,7 +43,10 @@ def _padding(B, L, device="cpu"):
 
 
 def _oracle(q, k, v, grad_out, keep, is_causal):
-    """F.scaled_dot_product_attention on the whole sequence: output and gradients of (out * grad_out).sum()."""
+    """F.scaled_dot_product_attention on the whole sequence: output and gradients of (out * grad_out).sum().
+
+    k and v may have fewer heads than q (grouped-query attention): PyTorch's ``enable_gqa``.
+    """
     q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     L = q.shape[-2]
     mask = None
@@ -52,9 +55,16 @@ def _oracle(q, k, v, grad_out, keep, is_causal):
     if is_causal:
         causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # (L, L)
         mask = causal if mask is None else mask & causal  # never pass a mask and is_causal together
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     out.backward(grad_out)
     return out.detach(), (q.grad, k.grad, v.grad)
+
+
+def _gqa_inputs(B, H, Hkv, L, D, Dv, *, seed=0):
+    """q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv), grad_out (B, H, L, Dv), float64."""
+    q, _, _, grad_out = _inputs(B, H, L, D, Dv, seed=seed)
+    _, k, v, _ = _inputs(B, Hkv, L, D, Dv, seed=seed + 1)
+    return q, k, v, grad_out
 
 
 def _assert_exact(run, expected_out, expected_grads, label):
@@ -186,6 +196,40 @@ def test_ring_steps_simulated_in_one_process_equal_attention(device, layout, is_
         assert (ac.gather_sequence(got, layout=layout) - want).abs().max() < TOL
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_ring_steps_with_shared_key_value_heads(kv_heads):
+    """Grouped-query attention (H = 4 query heads, Hkv = 1 or 2): the ring's steps, forward and backward, in one process."""
+    B, H, L, W = 2, 4, 24, 3
+    q, k, v, grad_out = _gqa_inputs(B, H, kv_heads, L, 8, 5)
+    keep = _padding(B, L)
+    expected, expected_grads = _oracle(q, k, v, grad_out, keep, True)
+    positions = ac.sequence_positions(L, W)
+    outs, lses = [], []
+    for rank in range(W):
+        running = None
+        for source in dist_attn.ring_schedule(W)[rank]:
+            running = ac.ring_step(running, q[..., positions[rank], :], k[..., positions[source], :],
+                                   v[..., positions[source], :], q_positions=positions[rank],
+                                   k_positions=positions[source], key_padding_mask=keep[:, positions[source]],
+                                   is_causal=True)
+        outs.append(finish_partial(running))
+        lses.append(log_sum_exp(running))
+    assert (ac.gather_sequence(outs) - expected).abs().max() < TOL
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for rank in range(W):
+        for source in range(W):
+            rows, cols = positions[rank], positions[source]
+            dq, dk, dv = ac.ring_step_backward(q[..., rows, :], k[..., cols, :], v[..., cols, :], grad_out[..., rows, :],
+                                               outs[rank], lses[rank], q_positions=rows, k_positions=cols,
+                                               key_padding_mask=keep[:, cols], is_causal=True)
+            assert dk.shape == (B, kv_heads, L // W, 8), "dk sums over the query heads that share a K/V head"
+            grads[0][..., rows, :] += dq
+            grads[1][..., cols, :] += dk
+            grads[2][..., cols, :] += dv
+    for got, want in zip(grads, expected_grads):
+        assert (got - want).abs().max() < TOL
+
+
 def test_ring_step_uses_global_positions_not_local_indices():
     """Rank 0 of a zig-zag pair holds positions 0,1 and 6,7: its late queries see all of rank 1's keys."""
     q, k, v, _ = _inputs(1, 1, 8, 4, 4)
@@ -231,6 +275,24 @@ def test_ring_and_ulysses_reject_bad_input():
         ac.ring_attention(q, k, v, layout="random")
     with pytest.raises(TypeError, match="share one dtype"):
         ac.ulysses_attention(q, k.float(), v)
+    q3, _, _, _ = _inputs(1, 3, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"Hkv dividing H .*got q \(1, 3, 8, 4\), k \(1, 2, 8, 4\)"):
+        ac.ring_attention(q3, k, v)
+
+
+def test_ulysses_splits_or_copies_the_key_value_heads():
+    """W must divide H; the K/V heads are split when W divides Hkv, copied W / Hkv times when Hkv divides W."""
+    assert dist_attn.ulysses_kv_heads(8, 8, 4) == 8  # multi-head: split
+    assert dist_attn.ulysses_kv_heads(8, 4, 4) == 4  # GQA, W divides Hkv: split
+    assert dist_attn.ulysses_kv_heads(8, 2, 4) == 4  # GQA, Hkv divides W: each K/V head copied twice
+    assert dist_attn.ulysses_kv_heads(8, 1, 8) == 8  # multi-query: one copy per rank
+    with pytest.raises(ValueError, match=r"H = 6 heads over world_size = 4 ranks.*use \[1, 2, 3, 6\] ranks"):
+        dist_attn.ulysses_kv_heads(6, 6, 4)
+    with pytest.raises(ValueError, match="Hkv = 3 key/value heads over world_size = 2"):
+        dist_attn.ulysses_kv_heads(6, 3, 2)
+    q, k, v, _ = _gqa_inputs(1, 6, 3, 12, 4, 4)
+    with pytest.raises(ValueError, match="Hkv = 3 key/value heads over world_size = 2"):
+        ac.run_sharded_attention(q, k, v, method="ulysses", world_size=2)
 
 
 def test_runner_rejects_functions_that_cannot_reach_another_process():
@@ -323,6 +385,67 @@ def test_ring_and_ulysses_equal_single_process_attention(device, world_size):
         assert run.method == method and run.layout == layout
         _assert_exact(run, expected, expected_grads, f"{method}, W={world_size}, {layout}, causal={is_causal}, "
                                                      f"padded={padded}")
+
+
+# (H, Hkv) per world size for grouped-query attention: W = 2 and 3 split the K/V heads, W = 4 copies them
+# (Hkv = 2 and 1 divide 4), so each rank gets one.
+GQA_SIZES = {2: [(4, 2)], 3: [(6, 3)], 4: [(8, 2), (4, 1)]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_and_ulysses_with_shared_key_value_heads_equal_single_process_attention(world_size):
+    """Grouped-query attention: fewer K/V heads than query heads; outputs and gradients to 1e-10, float64."""
+    settings, inputs = [], []
+    for H, kv_heads in GQA_SIZES[world_size]:
+        L = 8 * world_size
+        q, k, v, grad_out = _gqa_inputs(2, H, kv_heads, L, 8, 6, seed=H)
+        for method in ("ring", "ulysses"):
+            for is_causal, padded in ((False, False), (True, True)):
+                settings.append((H, kv_heads, method, is_causal, padded))
+                inputs.append((q, k, v, grad_out))
+    runs = ac.run_sharded_attention_batch(
+        [dict(q=q, k=k, v=v, grad_out=grad_out, method=method, is_causal=is_causal,
+              key_padding_mask=_padding(2, q.shape[-2]) if padded else None)
+         for (q, k, v, grad_out), (_, _, method, is_causal, padded) in zip(inputs, settings)], world_size=world_size)
+    for (q, k, v, grad_out), (H, kv_heads, method, is_causal, padded), run in zip(inputs, settings, runs):
+        expected, expected_grads = _oracle(q, k, v, grad_out, _padding(2, q.shape[-2]) if padded else None, is_causal)
+        assert run.grads[1].shape == k.shape
+        _assert_exact(run, expected, expected_grads, f"{method}, W={world_size}, H={H}, Hkv={kv_heads}, "
+                                                     f"causal={is_causal}, padded={padded}")
+
+
+def _ring_bytes(W, B, L, kv_heads, D, Dv, element, *, phase):
+    """Per rank: W - 1 sends of a K and a V block forward; backward the same again, plus dK and dV at all W steps."""
+    block = B * (L // W) * kv_heads * (D + Dv) * element
+    return (W - 1) * block if phase == "forward" else (2 * W - 1) * block
+
+
+def _ulysses_bytes(W, B, L, H, kv_heads, D, Dv, element):
+    """Per rank and pass (forward or backward): (W - 1) / W of its q, k, v and output shards (K/V copied if Hkv < W)."""
+    sent_kv = kv_heads if kv_heads % W == 0 else W
+    return (W - 1) * B * (L // W) * (H * D + sent_kv * (D + Dv) + H * Dv) * element // W
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_sent_by_ring_and_ulysses_with_and_without_shared_heads(world_size):
+    """The lesson's formulas, forward and backward, multi-head and grouped-query (split and copied K/V heads)."""
+    B, L, D, Dv = 1, 8 * world_size, 8, 6
+    cases = [(4, 4), (4, 2), (4, 1)]  # Hkv = H, Hkv = 2 (copied at W = 4), Hkv = 1 (copied at both)
+    jobs, shapes = [], []
+    for H, kv_heads in cases:
+        q, k, v, grad_out = _gqa_inputs(B, H, kv_heads, L, D, Dv)
+        for method in ("ring", "ulysses"):
+            jobs.append(dict(q=q, k=k, v=v, grad_out=grad_out, method=method, is_causal=True))
+            shapes.append((method, H, kv_heads))
+    runs = ac.run_sharded_attention_batch(jobs, world_size=world_size)
+    for (method, H, kv_heads), run in zip(shapes, runs):
+        for log in run.logs:
+            forward, backward = log.bytes_sent(phase="forward"), log.bytes_sent(phase="backward")
+            if method == "ring":
+                assert forward == _ring_bytes(world_size, B, L, kv_heads, D, Dv, 8, phase="forward")
+                assert backward == _ring_bytes(world_size, B, L, kv_heads, D, Dv, 8, phase="backward")
+            else:
+                assert forward == backward == _ulysses_bytes(world_size, B, L, H, kv_heads, D, Dv, 8), (H, kv_heads)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -1,9 +1,13 @@
-"""Nothing to copy: no solution block may be (nearly) printed in its own lesson.
+"""Nothing to copy: no solution block may be (nearly) printed in a lesson a learner has read by then.
 
 For every ``### BEGIN SOLUTION`` ... ``### END SOLUTION`` block of ``solutions/NN_*.ipynb``,
-this compares the block with every code cell of ``notebooks/NN_*.ipynb`` and with every text
-output of those cells (what ``print(inspect.getsource(...))`` shows lands there), one text at a
-time, and fails when the closest one is too similar.
+this compares the block with every code cell of ``notebooks/00_*.ipynb`` through
+``notebooks/NN_*.ipynb`` (its own lesson and every earlier one: lesson 00 once showed the grader on a
+causal mask one "+ 1" away from exercise 03's answer) and with every text output of those cells
+(what ``print(inspect.getsource(...))`` shows lands there), one text at a time, and fails when the
+closest one is too similar. Later lessons are not compared (a learner does exercise NN before
+reading lesson NN+1, and later lessons may build on earlier answers); ``python
+tests/test_exercise_similarity.py`` prints their figures too, for information.
 
 Normalisation (``normalised_tokens``): Python's ``tokenize`` (a regex tokenizer for text it
 cannot read, such as an output mixing code and tables); comments, docstrings, newlines and
@@ -178,18 +182,31 @@ def _lesson_for(solution: Path) -> Path:
     return lesson
 
 
-def closest(solution: Path, block: str) -> tuple[float, str, str]:
-    """``(figure, where, text)`` of the lesson text most similar to ``block``."""
+def _lessons_up_to(solution: Path) -> list[Path]:
+    """The solution's own lesson and every earlier one (00 included): what a learner has read by then."""
+    number = int(solution.name[:2])
+    return sorted(p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if int(p.name[:2]) <= number)
+
+
+def _later_lessons(solution: Path) -> list[Path]:
+    number = int(solution.name[:2])
+    return sorted(p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if int(p.name[:2]) > number)
+
+
+def closest(solution: Path, block: str, lessons: list[Path] | None = None) -> tuple[float, str, str]:
+    """``(figure, where, text)`` of the lesson text most similar to ``block``, over ``lessons``
+    (default: the solution's lesson and every earlier one); ``where`` names the lesson and the cell."""
     tokens = normalised_tokens(block)
+    exact = normalised_tokens(block, keep_names=True)
     best = (0.0, "nothing", "")
-    for where, text in lesson_texts(_lesson_for(solution)):
-        if len(tokens) < SHORT:
-            exact = normalised_tokens(block, keep_names=True)
-            figure = 1.0 if exact and _contains(normalised_tokens(text, keep_names=True), exact) else 0.0
-        else:
-            figure = similarity(tokens, normalised_tokens(text))
-        if figure > best[0]:
-            best = (figure, where, text)
+    for lesson in _lessons_up_to(solution) if lessons is None else lessons:
+        for where, text in lesson_texts(lesson):
+            if len(tokens) < SHORT:
+                figure = 1.0 if exact and _contains(normalised_tokens(text, keep_names=True), exact) else 0.0
+            else:
+                figure = similarity(tokens, normalised_tokens(text))
+            if figure > best[0]:
+                best = (figure, f"notebooks/{lesson.name}, {where}", text)
     return best
 
 
@@ -202,6 +219,17 @@ def test_every_solution_has_blocks_and_a_lesson():
     for path in SOLUTIONS:
         assert solution_blocks(path), f"{path.name} has no solution block"
         _lesson_for(path)
+        lessons = _lessons_up_to(path)
+        assert lessons[0].name.startswith("00_") and lessons[-1] == _lesson_for(path)
+
+
+def test_earlier_lessons_are_compared_too():
+    """A causal mask printed in lesson 00 is as copyable as one printed in lesson 03."""
+    (path,) = [p for p in SOLUTIONS if p.name.startswith("03_")]
+    block = "return torch.arange(S)[None, :] <= torch.arange(L)[:, None]"
+    assert [p.name[:2] for p in _lessons_up_to(path)] == ["00", "01", "02", "03"]
+    figure, where, _ = closest(path, block, lessons=[])
+    assert figure == 0.0 and where == "nothing"
 
 
 def test_the_measure_tells_a_copy_from_a_lesson_that_teaches():
@@ -230,7 +258,7 @@ def test_solution_is_not_printed_in_its_lesson(path, name, block):
             else f"{RUN}+ token runs shared")
     assert figure < LIMIT, (
         f"solutions/{path.name}, {name}: {figure:.2f} of the solution block ({rule}) appears in "
-        f"notebooks/{_lesson_for(path).name}, {where} (limit {LIMIT}). Teach the idea without printing the "
+        f"{where} (limit {LIMIT}). Teach the idea without printing the "
         f"answer (another function or shape, the maths, the library as a black box).\n"
         f"--- solution block ---\n{textwrap.dedent(block)}\n--- {where} ---\n{text[:4000]}"
     )
@@ -240,6 +268,7 @@ if __name__ == "__main__":  # the figure for every block, and the closest pair p
     per_lesson: dict[str, tuple[float, str]] = {}
     for path, name, block in BLOCKS:
         figure, where, _ = closest(path, block)
-        print(f"{path.name[:2]} {name:32s} {figure:.2f}  {where}")
+        later, later_where, _ = closest(path, block, lessons=_later_lessons(path))
+        print(f"{path.name[:2]} {name:32s} {figure:.2f}  {where}   | later lessons (not tested): {later:.2f} {later_where}")
         per_lesson[path.name[:2]] = max(per_lesson.get(path.name[:2], (0.0, "")), (figure, name))
     print("closest pair per lesson:", ", ".join(f"{k}: {v[0]:.2f} ({v[1]})" for k, v in sorted(per_lesson.items())))

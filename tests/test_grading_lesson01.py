@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+import attn_course as ac
 from attn_course.grading import TASKS, grade_function
 
 OURS = [task_id for task_id in TASKS if task_id.startswith("01.")]
@@ -123,3 +124,52 @@ def test_additive_hint_explains_why_the_tanh_matters():
     outputs = fn(q, k, v, w_q, w_k, w)  # (B, L, Dv): one row repeated
     torch.testing.assert_close(outputs, outputs[:, :1].expand_as(outputs))
     assert "same weights" in grade_function(task, fn).feedback
+
+
+def _identity(x):
+    return torch.eye(x.shape[-1], dtype=x.dtype)  # (S, S): values that turn attention weights into outputs
+
+
+def _pos(n):
+    return torch.arange(n)
+
+
+# Each route computes the right values (or nearly): only the no-delegation rule can reject it.
+LIBRARY_ROUTES = {
+    "01.attention": {
+        "ac.chunked_attention": lambda q, k, v: ac.chunked_attention(q, k, v),
+        "ac.chunked_attention, small chunks": lambda q, k, v: ac.chunked_attention(q, k, v, query_chunk_size=2,
+                                                                                   key_chunk_size=2),
+        "ac.query_chunked_attention": lambda q, k, v: ac.query_chunked_attention(q, k, v),
+        "ac.partial_attention + finish_partial": lambda q, k, v: ac.finish_partial(
+            ac.partial_attention(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), v)),
+        "ac.sparse_attention, one block": lambda q, k, v: ac.sparse_attention(q, k, v, pattern="block",
+                                                                              size=max(q.shape[-2], k.shape[-2])),
+        "ac.grouped_attention": lambda q, k, v: ac.grouped_attention(q, k, v),
+        "ac.ring_step": lambda q, k, v: ac.finish_partial(ac.ring_step(None, q, k, v, q_positions=_pos(q.shape[-2]),
+                                                                       k_positions=_pos(k.shape[-2]))),
+    },
+    "01.stable_softmax": {
+        "ac.partial_attention, identity values": lambda x: ac.finish_partial(ac.partial_attention(x, _identity(x))),
+        "ac.chunked_attention, identity values": lambda x: ac.chunked_attention(x, _identity(x), _identity(x), scale=1.0),
+        "F.scaled_dot_product_attention, identity values": lambda x: torch.nan_to_num(
+            torch.nn.functional.scaled_dot_product_attention(x, _identity(x), _identity(x), scale=1.0)),
+    },
+}
+ROUTES = [(task_id, name) for task_id, routes in LIBRARY_ROUTES.items() for name in routes]
+
+
+@pytest.mark.parametrize("task_id,name", ROUTES, ids=[f"{t}:{n}" for t, n in ROUTES])
+def test_every_attention_of_the_library_is_off_limits(task_id, name):
+    """Review of lessons 00-03: ac.chunked_attention and partial_attention + finish_partial scored 5/5 on 01.attention."""
+    result = grade_function(TASKS[task_id], LIBRARY_ROUTES[task_id][name])
+    assert result.score == 0, result.report()
+    assert "you called attn_course." in result.feedback or "you called torch." in result.feedback, result.report()
+
+
+def test_the_empty_row_hint_teaches_without_writing_the_code():
+    """The hint names the idea (shift by 0, no 0 / 0), not the lines that, pasted together, are the answer."""
+    result = grade_function(TASKS["01.stable_softmax"], TASKS["01.stable_softmax"].wrong["NaN on an all -inf row"].fn)
+    assert "shift" in result.feedback.lower() and "0 / 0" in result.feedback
+    for code in ("torch.where", "isfinite", "clamp_min", "tiny"):
+        assert code not in result.feedback, code

@@ -104,3 +104,61 @@ def test_cross_attention_mask_gives_padded_queries_zero_outputs_in_the_library()
     out = ac.scaled_dot_product_attention(q, k, v, mask)
     assert (out[0, :, 3:] == 0).all() and (out[1, :, 1:] == 0).all()
     assert torch.isfinite(out).all()
+
+
+def _scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., L, S)
+
+
+MASK_ROUTES = {
+    "nn.Transformer.generate_square_subsequent_mask": lambda L, S: ~torch.isinf(
+        torch.nn.Transformer.generate_square_subsequent_mask(max(L, S)))[:L, :S],
+    "CausalBias": lambda L, S: torch.nn.attention.bias.causal_upper_left(L, S)._materialize(),
+    "ac.pattern_mask, causal sliding window": lambda L, S: ac.pattern_mask(
+        max(L, S), pattern="sliding", size=max(L, S), is_causal=True)[:L, :S],
+}
+ATTENTION_ROUTES = {
+    "ac.chunked_attention": lambda q, k, v, mask: ac.chunked_attention(q, k, v, mask),
+    "ac.partial_attention + finish_partial": lambda q, k, v, mask: ac.finish_partial(
+        ac.partial_attention(_scores(q, k).masked_fill(~mask, float("-inf")), v)),
+    "ac.grouped_attention": lambda q, k, v, mask: ac.grouped_attention(q, k, v, mask),
+}
+ROUTES = [("03.causal_mask", n) for n in MASK_ROUTES] + [("03.masked_attention", n) for n in ATTENTION_ROUTES]
+
+
+@pytest.mark.parametrize("task_id,name", ROUTES, ids=[f"{t}:{n}" for t, n in ROUTES])
+def test_library_and_pytorch_shortcuts_score_zero(task_id, name):
+    """Review of lessons 00-03: these scored full marks (PyTorch's Transformer mask 3/3, ac.chunked_attention 5/5)."""
+    import torch.nn.attention.bias  # noqa: F401  (not imported by `import torch`)
+
+    fn = (MASK_ROUTES if task_id == "03.causal_mask" else ATTENTION_ROUTES)[name]
+    result = grade_function(TASKS[task_id], fn)
+    assert result.score == 0, result.report()
+    assert "write it yourself" in result.feedback
+
+
+def test_the_float16_hint_does_not_suggest_a_fill_value_that_fails_the_empty_row_check():
+    """finfo.min without zeroing the empty rows fails this very task: the hint must not send learners there."""
+    result = grade_function(TASKS["03.masked_attention"], TASKS["03.masked_attention"].wrong["fills with -1e9"].fn)
+    assert "does not fit in float16" in result.feedback
+    assert "finfo" not in result.feedback.replace("like -1e9 or finfo.min", "")
+
+
+def test_zeroing_after_the_softmax_gets_the_same_diagnosis_in_every_check_it_fails():
+    """Lesson 03's shown attempt: the float16 check and the empty-row check both name the renormalisation."""
+    result = grade_function(TASKS["03.masked_attention"], TASKS["03.masked_attention"].wrong[
+        "masks after the softmax without renormalising"].fn)
+    failed = [c for c in result.checks if not c.passed]
+    assert len(failed) == 3 and all("without renormalising" in c.message for c in failed), result.report()
+    empty_row_check = next(c for c in failed if "nothing to attend to" in c.name)
+    assert "The empty rows are right" in empty_row_check.message
+
+
+def test_the_lessons_wrong_first_attempts_get_the_feedback_the_lessons_show():
+    """attn_course.grading.examples holds the attempts lessons 00 and 03 grade without printing their code."""
+    from attn_course.grading import examples
+
+    shifted = grade_function(TASKS["03.causal_mask"], examples.causal_mask_shifted_by_one)
+    assert shifted.score == 1 and "shifted by one" in shifted.feedback, shifted.report()
+    zeroing = grade_function(TASKS["03.masked_attention"], examples.masked_attention_zeroing_after_softmax)
+    assert zeroing.score == 2 and "without renormalising" in zeroing.feedback, zeroing.report()

@@ -31,8 +31,17 @@ def _entropy_clamped_copy(weights):
     return -(weights * weights.clamp_min(torch.finfo(weights.dtype).tiny).log()).sum(-1)
 
 
-def _entropy_article_per_row(weights):
-    return -(weights * torch.log(weights + 1e-9)).sum(-1)  # the article's fudge, kept per row: close enough
+def _entropy_entr(weights):
+    return torch.special.entr(weights).sum(-1)  # entr(0) = 0 by definition
+
+
+def _entropy_nan_to_num_per_term(weights):
+    return torch.nan_to_num(-(weights * torch.log(weights))).sum(-1)  # each 0 * log 0 = NaN term set to 0
+
+
+def _entropy_wider_then_cast(weights):
+    wide = weights.to(torch.promote_types(weights.dtype, torch.float32))  # half precision computed in float32
+    return -torch.special.xlogy(wide, wide).sum(-1).to(weights.dtype)
 
 
 def _qk_functional(q, k, v, scale):
@@ -123,7 +132,8 @@ def _gradient_dict_of_first_reports(model, x):
 
 
 ALTERNATIVES = {
-    "08.attention_entropy": [_entropy_xlogy, _entropy_clamped_copy, _entropy_article_per_row],
+    "08.attention_entropy": [_entropy_xlogy, _entropy_clamped_copy, _entropy_entr, _entropy_nan_to_num_per_term,
+                             _entropy_wider_then_cast],
     "08.qk_norm_attention": [_qk_functional, _qk_manual],
     "08.first_nonfinite_module": [_nonfinite_raise_at_first, _nonfinite_list],
     "08.first_nonfinite_gradient": [_gradient_first_in_a_list, _gradient_dict_of_first_reports],
@@ -172,3 +182,21 @@ def test_gradient_task_leaves_the_case_models_untouched():
     grade_function(task, task.reference)
     for case in task.make_cases():
         assert all(p.grad is None for p in case.args[0].parameters())
+
+
+def test_the_articles_fudge_is_rejected_in_float64_and_in_float16():
+    """log(w + 1e-9) per row: 1e-9 too low per key in float64 (above the tolerance), NaN in float16."""
+    from attn_course.grading.tasks.lesson08 import _entropy_article_per_row
+
+    result = grade_function(TASKS["08.attention_entropy"], _entropy_article_per_row)
+    failed = {c.name: c.message for c in result.checks if not c.passed}
+    assert len(failed) == 3, result.report()
+    assert "You added about 1e-09 inside the log" in failed["rows without zero weights: -sum w log w, in nats, exactly (no fudge)"]
+    assert "1e-9 is below its smallest number" in failed["float16 and bfloat16 with zero weights: no NaN, no fudge"]
+
+
+def test_entropy_cases_hold_zero_weights_in_every_low_precision_case():
+    cases = TASKS["08.attention_entropy"].make_cases()
+    low = [case.args[0] for case in cases if case.args[0].dtype in (torch.float16, torch.bfloat16)]
+    assert len(low) == 3 and all((w == 0).any() for w in low)
+    assert any((w == 0).all(-1).any() for w in low), "a fully masked row in half precision"

@@ -32,17 +32,32 @@ def _repeat_index(x, groups):
     return x.index_select(1, torch.arange(x.shape[1] * groups) // groups)
 
 
-def _decode_torch(q, k, v):
+def _decode_torch(q, k, v, lengths):
+    """PyTorch's attention with a mask built by hand: allowed (the task is the mask, not attention)."""
     T, S = q.shape[-2], k.shape[-2]
-    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # (T, S), bottom-right aligned
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # (T, S), bottom-right aligned
+    real = torch.arange(S) >= (S - lengths)[:, None]  # (B, S), left padding
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & real[:, None, None, :])
 
 
-def _decode_manual(q, k, v):
+def _decode_manual(q, k, v, lengths):
     T, S = q.shape[-2], k.shape[-2]
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, S)
     future = torch.arange(S)[None, :] > torch.arange(S - T, S)[:, None]  # (T, S)
-    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+    padding = torch.arange(S)[None, :] < (S - lengths)[:, None]  # (B, S)
+    blocked = future | padding[:, None, None, :]  # (B, 1, T, S)
+    weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)
+    weights = torch.where(blocked.all(-1, keepdim=True), 0.0, weights)  # padding queries: no weights, no NaN
+    return weights @ v
+
+
+def _decode_float32_inside(q, k, v, lengths):
+    """Half precision computed in float32 and cast back, with the course's attention."""
+    T, S = q.shape[-2], k.shape[-2]
+    slots = torch.arange(S)
+    allowed = (slots <= torch.arange(S - T, S)[:, None]) & (slots >= (S - lengths)[:, None, None, None])
+    wide = torch.promote_types(q.dtype, torch.float32)
+    return ac.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), allowed).to(q.dtype)
 
 
 def _rotary_complex(x, positions):
@@ -118,7 +133,7 @@ def _generate_last_query_only(layer, prompt, steps):
 
 ALTERNATIVES = {
     "11.repeat_kv": [_repeat_expand, _repeat_index],
-    "11.decode_attention": [_decode_torch, _decode_manual],
+    "11.decode_attention": [_decode_torch, _decode_manual, _decode_float32_inside],
     "11.rotary": [_rotary_complex, _rotary_float32_angles_cast_cos_sin],
     "11.rope_generation": [_generate_with_kv_cache_class, _generate_last_query_only],
 }
@@ -138,9 +153,28 @@ def test_other_correct_solutions_score_full_marks(task_id, index):
 # --- the cases hold what the checks claim ------------------------------------------------------
 
 
-def test_decode_cases_have_a_batch_with_several_new_tokens():
-    shapes = [tuple(case.args[0].shape) for case in TASKS["11.decode_attention"].make_cases()]
-    assert any(B >= 2 and H >= 2 and T >= 2 for B, H, T, _ in shapes), shapes
+def test_decode_cases_have_a_padded_batch_with_several_new_tokens_and_padding_queries():
+    cases = TASKS["11.decode_attention"].make_cases()
+    shapes = [(tuple(c.args[0].shape), c.args[1].shape[-2], c.args[3].tolist(), c.args[0].dtype) for c in cases]
+    assert any(B >= 2 and H >= 2 and 2 <= T < S and min(lengths) < S for (B, H, T, _), S, lengths, _ in shapes), shapes
+    padding_queries = [dtype for (_, _, T, _), S, lengths, dtype in shapes if T > min(lengths)]
+    assert torch.float64 in padding_queries and torch.float16 in padding_queries, shapes
+    assert sum(dtype == torch.float16 for *_, dtype in shapes) == 2, shapes
+
+
+def test_repeat_interleave_is_delegation_by_every_route():
+    for fn in (lambda x, n: x.repeat_interleave(n, dim=1), lambda x, n: torch.repeat_interleave(x, n, dim=1)):
+        result = grade_function(TASKS["11.repeat_kv"], fn)
+        assert result.score == 0 and "repeat_interleave" in result.feedback, result.report()
+
+
+def test_generation_that_recomputes_the_prefix_loses_every_generating_check():
+    from attn_course.grading.tasks.lesson11 import _generate_full_recompute
+
+    result = grade_function(TASKS["11.rope_generation"], _generate_full_recompute)
+    passed = {c.name for c in result.checks if c.passed}
+    assert passed == {"returns (B, steps, E) in the prompt's dtype", "the prompt step: the output at the last prompt position",
+                      "leaves the prompt unchanged"}, result.report()
 
 
 def _rotary_angles_in_input_dtype(x, positions):

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from attn_course.stats import Difference, paired_difference, t_quantile, welch_difference
+from attn_course.stats import (
+    Difference,
+    bootstrap_difference,
+    holm,
+    paired_difference,
+    t_quantile,
+    verdicts_are_stable,
+    welch_difference,
+    wilcoxon_p,
+)
 
 A = [1.05, 1.18, 1.19, 1.14, 0.88, 0.95, 1.17, 1.03]
 B = [1.09, 1.28, 1.36, 1.24, 1.21, 1.35, 1.27, 1.02]
@@ -110,3 +119,118 @@ def test_difference_is_frozen():
     assert isinstance(d, Difference)
     with pytest.raises(AttributeError):
         d.low = 0.0
+
+
+# --- p-values, Holm's correction, negligible effects, stability, non-parametric checks ------------
+
+
+def test_p_values_match_scipy():
+    ours = paired_difference(A, B)
+    assert ours.p_value == pytest.approx(scipy_stats.ttest_rel(A, B).pvalue, rel=1e-9)  # measured rel 1e-15
+    b = B[:5] + [0.7]
+    welch = welch_difference(A, b)
+    assert welch.p_value == pytest.approx(scipy_stats.ttest_ind(A, b, equal_var=False).pvalue, rel=1e-9)
+    assert ours.pairs == pytest.approx(tuple(np.subtract(A, B)), abs=1e-15)
+
+
+def test_holm_by_hand():
+    """p = (0.01, 0.04, 0.03, 0.005): sorted 0.005 x 4, 0.01 x 3, 0.03 x 2, 0.04 x 1, then made monotone."""
+    family = [Difference("a", "b", "m", 0, 0, 0, -1, 1, 0.95, 8, "paired t", p_value=p) for p in (0.01, 0.04, 0.03, 0.005)]
+    adjusted = [d.adjusted_p for d in holm(family)]
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02], abs=1e-15)
+    assert {d.family_size for d in holm(family)} == {4}
+
+
+def _holm_step_down(p_values, alpha):
+    """Holm (1979) as he states it: reject in order while p_(j) <= alpha / (m - j + 1); stop at the first failure."""
+    m = len(p_values)
+    rejected = [False] * m
+    for j, i in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        if p_values[i] > alpha / (m - j):
+            break
+        rejected[i] = True
+    return rejected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_holm_adjusted_p_agrees_with_the_step_down_procedure(seed):
+    rng = np.random.default_rng(seed)
+    p_values = list(rng.uniform(0, 0.08, size=rng.integers(2, 9)))
+    family = holm([Difference("a", "b", "m", 0, 0, 0, 0.1, 0.2, 0.95, 8, "paired t", p_value=p) for p in p_values])
+    for alpha in (0.01, 0.05, 0.1):
+        assert [d.adjusted_p <= alpha for d in family] == _holm_step_down(p_values, alpha)
+
+
+def test_holm_turns_a_lucky_verdict_into_no_clear_difference():
+    weak = paired_difference([1.0, 1.1, 1.3, 1.2], [0.9, 1.0, 1.0, 1.0], lower_is_better=True)  # p about 0.02
+    strong = paired_difference([2.0, 2.1, 2.2, 2.05], [1.0, 1.05, 1.1, 1.0], lower_is_better=True)
+    nothing = [paired_difference([1.0, 1.2, 0.9, 1.1], [1.1, 1.0, 1.0, 1.05]) for _ in range(4)]
+    assert weak.clear and weak.verdict() == "higher (worse)"
+    family = holm([weak, strong, *nothing])
+    assert family[0].adjusted_p >= 0.05 and family[0].verdict() == "no clear difference"
+    assert "after Holm's correction for 6 comparisons" in family[0].claim()
+    assert family[1].verdict() == "higher (worse)" and "also after Holm's correction" in family[1].claim()
+    with pytest.raises(ValueError, match="no p-value"):
+        holm([bootstrap_difference([1, 2, 3], [0, 1, 1])])
+    with pytest.raises(ValueError, match="same confidence"):
+        holm([weak, paired_difference([1, 2, 3], [0, 1, 1], confidence=0.9)])
+
+
+def test_negligible_when_the_interval_lies_within_the_smallest_effect():
+    tiny = paired_difference([4.301, 4.300, 4.302], [4.304, 4.303, 4.305], metric="loss", smallest_effect=0.02)
+    assert tiny.clear and tiny.negligible and tiny.verdict() == "negligible"
+    assert "lies within +-0.02" in tiny.claim()
+    wide = paired_difference([4.30, 4.20, 4.35], [4.304, 4.303, 4.305], smallest_effect=0.02)
+    assert not wide.negligible
+    with pytest.raises(ValueError, match="smallest_effect"):
+        paired_difference([1, 2], [2, 3], smallest_effect=-1)
+
+
+def test_shifted_moves_the_interval_and_recomputes_p():
+    d = paired_difference(A, B)
+    moved = d.shifted(0.05)
+    assert (moved.low, moved.high) == pytest.approx((d.low + 0.05, d.high + 0.05), abs=1e-12)
+    oracle = scipy_stats.ttest_rel(np.add(A, 0.05), B).pvalue
+    assert moved.p_value == pytest.approx(oracle, rel=1e-9)
+
+
+def test_verdicts_are_stable_flags_verdicts_near_their_lines():
+    near = paired_difference([1.0, 1.1, 1.2], [0.9, 1.0, 1.1])  # every pair +0.1: a point interval
+    assert verdicts_are_stable([near], tolerance=0.05) == [True]
+    assert verdicts_are_stable([near], tolerance=0.2) == [False]
+    spread = (0.1 - 0.005) / (t_quantile(0.975, 3) * math.sqrt(4 / 3) / 2)  # puts the lower bound at 0.005
+    edge = paired_difference([0.1 - spread, 0.1 + spread, 0.1 - spread, 0.1 + spread], [0.0] * 4)
+    assert edge.low == pytest.approx(0.005, abs=1e-12)  # clear, but by only 0.005
+    assert verdicts_are_stable([edge], tolerance=1e-3) == [True]
+    assert verdicts_are_stable([edge], tolerance=edge.low * 1.01) == [False]
+    negligible = paired_difference([1.0, 1.01, 1.0], [1.0, 1.0, 1.0], smallest_effect=0.03)
+    assert negligible.negligible
+    assert verdicts_are_stable([negligible], tolerance=0.03 - negligible.high + 1e-3) == [False]
+    family = holm([edge, near])  # edge's adjusted p is 0.044: clear, close to the line
+    assert [d.verdict() for d in family] == ["higher", "higher"]
+    assert verdicts_are_stable(family, tolerance=1e-4) == [True, True]
+    assert verdicts_are_stable(family, tolerance=1e-2) == [False, True]
+    twice = holm([edge, edge])  # both adjusted to 0.088: no clear difference after the correction
+    assert [d.verdict() for d in twice] == ["no clear difference"] * 2
+    assert verdicts_are_stable(twice, tolerance=1e-3) == [True, True]
+    with pytest.raises(ValueError, match="one family at a time"):
+        verdicts_are_stable([family[0], edge], tolerance=1e-3)
+
+
+def test_wilcoxon_exact_value():
+    """Ten positive differences: the exact two-sided p is 2 / 2**10 (every sign pattern equally likely)."""
+    a = [1.0 + i / 10 for i in range(10)]
+    assert wilcoxon_p(a, [0.0] * 10) == pytest.approx(2 / 2**10, rel=1e-12)
+    assert wilcoxon_p([1.0, 2.0], [1.0, 2.0]) == 1.0
+
+
+def test_bootstrap_matches_scipy_percentile_bootstrap():
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(1.0, 1.0, size=10), rng.normal(0.0, 1.0, size=10)
+    ours = bootstrap_difference(a, b, resamples=20_000)
+    theirs = scipy_stats.bootstrap((np.subtract(a, b),), np.mean, method="percentile", n_resamples=20_000,
+                                   random_state=1).confidence_interval
+    # Two independent resamplings of the same distribution: measured |difference| about 0.005.
+    assert ours.low == pytest.approx(theirs.low, abs=0.03) and ours.high == pytest.approx(theirs.high, abs=0.03)
+    assert ours.method == "paired bootstrap" and math.isnan(ours.p_value)
+    assert bootstrap_difference(a, b, resamples=20_000) == ours  # seeded: the same every time

@@ -13,6 +13,10 @@ ways to still compute exact attention over the whole sequence:
   tokens" into "H / W heads of all L tokens", each rank runs ordinary attention for its heads,
   and a second all-to-all turns the output back.
 
+Both accept grouped-query attention (lesson 11): k and v with ``Hkv`` heads, ``Hkv`` dividing
+``H``. The ring then moves only the ``Hkv`` K/V heads; Ulysses moves queries, keys, values and
+outputs (:func:`ulysses_kv_heads` says how many K/V heads it must send).
+
 Both are exact: they equal single-process attention up to rounding (tests: float64, 1e-10,
 outputs and gradients, world sizes 1-5, causal, padded).
 
@@ -30,8 +34,8 @@ Around them, one module per concept, each read top to bottom:
   log and its measured peak memory;
 * :mod:`.pictures` -- :func:`plot_ring_schedule`, :func:`plot_causal_layout`.
 
-Shapes: each rank passes its shard q ``(B, H, L/W, D)``, k ``(B, H, L/W, D)``, v ``(B, H,
-L/W, Dv)`` and optionally ``key_padding_mask`` ``(B, L/W)`` (bool, True = a real token that
+Shapes: each rank passes its shard q ``(B, H, L/W, D)``, k ``(B, Hkv, L/W, D)``, v ``(B, Hkv,
+L/W, Dv)`` (``Hkv = H`` for multi-head attention) and optionally ``key_padding_mask`` ``(B, L/W)`` (bool, True = a real token that
 may be attended to, as everywhere in the course) and gets its shard of the output ``(B, H,
 L/W, Dv)``. Every rank must pass the same shapes and options.
 
@@ -46,7 +50,7 @@ from .pictures import plot_causal_layout, plot_ring_schedule
 from .ring import ring_attention, ring_step, ring_step_backward
 from .runner import RemoteTraceback, rank_summary, run_distributed
 from .sharded import METHODS, ShardedAttentionRun, run_sharded_attention, run_sharded_attention_batch
-from .ulysses import ulysses_attention
+from .ulysses import ulysses_attention, ulysses_kv_heads
 
 __all__ = [
     "LAYOUTS",
@@ -64,6 +68,7 @@ __all__ = [
     "ring_step_backward",
     "ring_attention",
     "ulysses_attention",
+    "ulysses_kv_heads",
     "RemoteTraceback",
     "rank_summary",
     "run_distributed",

@@ -32,9 +32,11 @@ def check_shard(name: str, x: object, *, dims: int = 4) -> torch.Tensor:
 
 
 def check_block(q, k, v, key_padding_mask, *, same_length: bool) -> None:
-    """q ``(B, H, Lq, D)``, k ``(B, H, Lk, D)``, v ``(B, H, Lk, Dv)`` of one dtype and device; mask ``(B, Lk)`` bool.
+    """q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` of one dtype and device; mask ``(B, Lk)`` bool.
 
-    ``same_length``: a rank's own shard, so ``Lq == Lk``.
+    ``Hkv`` divides ``H``: query head ``h`` reads key/value head ``h // (H / Hkv)`` (grouped-query
+    attention, lesson 11; ``Hkv = H`` is ordinary multi-head attention). ``same_length``: a
+    rank's own shard, so ``Lq == Lk``.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_shard(name, x)
@@ -42,9 +44,11 @@ def check_block(q, k, v, key_padding_mask, *, same_length: bool) -> None:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
+    if (k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]
+            or q.shape[1] % k.shape[1]):
         raise ValueError(
-            f"expected q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) with the same B and H, got q "
+            f"expected q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) with the same B and D, and Hkv dividing H "
+            f"(Hkv = H: multi-head attention; Hkv < H: grouped-query attention, lesson 11), got q "
             f"{shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}"
         )
     if same_length and k.shape[-2] != q.shape[-2]:

@@ -16,9 +16,12 @@ weights (FlashAttention's backward, per block: :func:`ring_step_backward`), and 
 block's gradients dK, dV along with the block, so they collect every rank's share on the way
 and arrive home, complete, after W hops.
 
-Shapes: each rank passes its shard q ``(B, H, L/W, D)``, k ``(B, H, L/W, D)``, v ``(B, H,
+Shapes: each rank passes its shard q ``(B, H, L/W, D)``, k ``(B, Hkv, L/W, D)``, v ``(B, Hkv,
 L/W, Dv)`` and optionally ``key_padding_mask`` ``(B, L/W)`` (bool, True = a real token that
-may be attended to) and gets its shard of the output ``(B, H, L/W, Dv)``.
+may be attended to) and gets its shard of the output ``(B, H, L/W, Dv)``. ``Hkv = H`` is
+multi-head attention; with grouped-query attention (lesson 11, ``Hkv`` dividing ``H``) only the
+``Hkv`` key/value heads travel, and each K/V block meets the R = H / Hkv query heads that share
+it folded into its rows.
 
 Taught in lesson 12 (attention across devices).
 """
@@ -52,27 +55,47 @@ def _empty_partial(rows: torch.Tensor, value_dim: int) -> PartialAttention:
     )
 
 
-def _allowed(key_keep: torch.Tensor | None, ks: slice, causal: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean ``(B, 1, cq, ck)`` (or broadcastable) of allowed pairs in one block, or None for all."""
+def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``(B, H, c, E) -> (B, Hkv, R * c, E)``: the R query heads that share a K/V head become more rows.
+
+    Query head ``h = j R + r`` reads K/V head ``j`` (lesson 11's grouped-query attention), so a
+    group's R heads are consecutive and fold into the row axis without touching K or V. With
+    ``Hkv = H`` (R = 1) nothing changes.
+    """
+    B, H, c, E = x.shape
+    return x.reshape(B, kv_heads, (H // kv_heads) * c, E)  # (B, Hkv, R * c, E)
+
+
+def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of :func:`_fold`: ``(B, Hkv, R * c, E) -> (B, H, c, E)``."""
+    return x.reshape(x.shape[0], heads, -1, x.shape[-1])  # (B, H, c, E)
+
+
+def _allowed(key_keep: torch.Tensor | None, ks: slice, causal: torch.Tensor | None, repeats: int = 1):
+    """Boolean ``(B, 1, R * cq, ck)`` (or broadcastable) of allowed pairs in one folded block, or None for all."""
     allowed = None if key_keep is None else key_keep[:, None, None, ks]  # (B, 1, 1, ck)
     if causal is not None:
-        allowed = causal if allowed is None else allowed & causal  # (B, 1, cq, ck)
+        causal = causal.repeat(repeats, 1) if repeats > 1 else causal  # (R * cq, ck): the same rows for each head
+        allowed = causal if allowed is None else allowed & causal  # (B, 1, R * cq, ck)
     return allowed
 
 
 def _merge_block(running, q_scaled, k, v, plan, key_keep) -> tuple[PartialAttention, int]:
     """Merge the block ``(k, v)`` into ``running`` for the pre-scaled queries; returns (partial, scores computed)."""
     compute = q_scaled.dtype
+    heads, kv_heads = q_scaled.shape[1], k.shape[1]
     if running is None:
         running = _empty_partial(q_scaled, v.shape[-1])
     pieces: dict[tuple[int, int], PartialAttention] = {}
     computed = 0
     for qs, ks, causal in plan:
-        scores = torch.matmul(q_scaled[..., qs, :], k[..., ks, :].to(compute).transpose(-2, -1))  # (B, H, cq, ck)
-        allowed = _allowed(key_keep, ks, causal)
+        q_block = _fold(q_scaled[..., qs, :], kv_heads)  # (B, Hkv, R * cq, D)
+        scores = torch.matmul(q_block, k[..., ks, :].to(compute).transpose(-2, -1))  # (B, Hkv, R * cq, ck)
+        allowed = _allowed(key_keep, ks, causal, heads // kv_heads)
         if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))  # (B, H, cq, ck)
-        part = partial_attention(scores, v[..., ks, :].to(compute))  # lesson 07: (acc, max, sum) of this block
+            scores = scores.masked_fill(~allowed, float("-inf"))  # (B, Hkv, R * cq, ck)
+        folded = partial_attention(scores, v[..., ks, :].to(compute))  # lesson 07: (acc, max, sum) of this block
+        part = PartialAttention(*(_unfold(t, heads) for t in folded))  # (B, H, cq, .)
         key = (qs.start, qs.stop)
         pieces[key] = part if key not in pieces else merge_partials(pieces[key], part)
         computed += scores.numel()
@@ -108,7 +131,8 @@ def ring_step(
     Args:
         running: the :class:`~attn_course.chunked.PartialAttention` over the blocks seen so
             far (``(acc, row_max, row_sum)``), or None at the first step.
-        q: this rank's queries ``(B, H, Lq, D)``; k, v: the block ``(B, H, Lk, D)``, ``(B, H, Lk, Dv)``.
+        q: this rank's queries ``(B, H, Lq, D)``; k, v: the block ``(B, Hkv, Lk, D)``, ``(B, Hkv, Lk, Dv)``
+            (``Hkv = H``, or fewer K/V heads shared by groups of query heads as in lesson 11).
         q_positions, k_positions: ``(Lq,)``, ``(Lk,)`` global token positions; the causal mask
             compares these (query at position i sees keys at positions <= i), never local indices.
         key_padding_mask: ``(B, Lk)`` bool, True = a real key; it travels with the block.
@@ -116,7 +140,8 @@ def ring_step(
         scale: default ``1 / sqrt(D)``.
 
     Returns the merged partial ``(B, H, Lq, .)``; :func:`~attn_course.chunked.finish_partial`
-    turns it into the output after the last step. Rows with no allowed key so far stay finite.
+    turns it into the output after the last step. A row with no allowed key so far holds no NaN:
+    ``acc`` 0, ``row_sum`` 0 and ``row_max`` -inf (lesson 07's empty partial).
     """
     check_block(q, k, v, key_padding_mask, same_length=False)
     q_positions = check_positions("q_positions", q_positions, q.shape[-2], q.device)
@@ -133,24 +158,27 @@ def ring_step(
 def _block_gradients(q, k, v, grad_out, delta, lse, plan, key_keep, scale):
     """Gradient contributions of one block (FlashAttention's backward): (dq, dk, dv, scores computed)."""
     compute = grad_out.dtype
+    heads, kv_heads = q.shape[1], k.shape[1]
     grad_q = torch.zeros(q.shape, dtype=compute, device=q.device)  # (B, H, Lq, D)
-    grad_k = torch.zeros(k.shape, dtype=compute, device=k.device)  # (B, H, Lk, D)
-    grad_v = torch.zeros(v.shape, dtype=compute, device=v.device)  # (B, H, Lk, Dv)
+    grad_k = torch.zeros(k.shape, dtype=compute, device=k.device)  # (B, Hkv, Lk, D)
+    grad_v = torch.zeros(v.shape, dtype=compute, device=v.device)  # (B, Hkv, Lk, Dv)
     computed = 0
     for qs, ks, causal in plan:
-        q_block = q[..., qs, :].to(compute)  # (B, H, cq, D)
-        k_block, v_block = k[..., ks, :].to(compute), v[..., ks, :].to(compute)  # (B, H, ck, D), (B, H, ck, Dv)
-        dout = grad_out[..., qs, :]  # (B, H, cq, Dv)
-        scores = torch.matmul(q_block * scale, k_block.transpose(-2, -1))  # (B, H, cq, ck), as in the forward pass
-        allowed = _allowed(key_keep, ks, causal)
+        # The R query heads of a K/V head folded into the rows (R = 1 for multi-head attention).
+        q_block = _fold(q[..., qs, :].to(compute), kv_heads)  # (B, Hkv, R * cq, D)
+        dout = _fold(grad_out[..., qs, :], kv_heads)  # (B, Hkv, R * cq, Dv)
+        row_lse, row_delta = _fold(lse[..., qs, :], kv_heads), _fold(delta[..., qs, :], kv_heads)  # (B, Hkv, R * cq, 1)
+        k_block, v_block = k[..., ks, :].to(compute), v[..., ks, :].to(compute)  # (B, Hkv, ck, D), (B, Hkv, ck, Dv)
+        scores = torch.matmul(q_block * scale, k_block.transpose(-2, -1))  # (B, Hkv, R * cq, ck), as in forward
+        allowed = _allowed(key_keep, ks, causal, heads // kv_heads)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        weights = torch.exp(scores - lse[..., qs, :])  # (B, H, cq, ck): the final softmax weights of this block
-        grad_v[..., ks, :] += torch.matmul(weights.transpose(-2, -1), dout)  # (B, H, ck, Dv)
-        grad_weights = torch.matmul(dout, v_block.transpose(-2, -1))  # (B, H, cq, ck)
-        grad_scores = weights * (grad_weights - delta[..., qs, :]) * scale  # (B, H, cq, ck)
-        grad_q[..., qs, :] += torch.matmul(grad_scores, k_block)  # (B, H, cq, D)
-        grad_k[..., ks, :] += torch.matmul(grad_scores.transpose(-2, -1), q_block)  # (B, H, ck, D)
+        weights = torch.exp(scores - row_lse)  # (B, Hkv, R * cq, ck): the final softmax weights of this block
+        grad_v[..., ks, :] += torch.matmul(weights.transpose(-2, -1), dout)  # (B, Hkv, ck, Dv), summed over R
+        grad_weights = torch.matmul(dout, v_block.transpose(-2, -1))  # (B, Hkv, R * cq, ck)
+        grad_scores = weights * (grad_weights - row_delta) * scale  # (B, Hkv, R * cq, ck)
+        grad_q[..., qs, :] += _unfold(torch.matmul(grad_scores, k_block), heads)  # (B, H, cq, D)
+        grad_k[..., ks, :] += torch.matmul(grad_scores.transpose(-2, -1), q_block)  # (B, Hkv, ck, D), summed over R
         computed += scores.numel()
     return grad_q, grad_k, grad_v, computed
 
@@ -175,6 +203,9 @@ def ring_step_backward(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's share of the gradients: ``(dq_part, dk, dv)`` for queries q against the block (k, v).
+
+    Shapes as in :func:`ring_step` (k and v may have fewer heads, ``Hkv``; dk and dv then sum
+    over the query heads that share each K/V head).
 
     ``out`` ``(B, H, Lq, Dv)`` and ``lse`` ``(B, H, Lq, 1)`` are the *final* output and
     log-sum-exp of the queries over all keys (after the whole ring), ``grad_out`` the
@@ -276,8 +307,9 @@ def ring_attention(
     """Exact attention over a sequence split across the ranks of ``group``; K/V blocks travel around a ring.
 
     Call it on every rank with that rank's shard (laid out by
-    :func:`~attn_course.distributed.layout.sequence_positions` with the same ``layout``): q ``(B, H, L/W, D)``, k ``(B, H, L/W, D)``, v ``(B, H, L/W,
-    Dv)``, ``key_padding_mask`` ``(B, L/W)`` (True = real token). Returns this rank's output
+    :func:`~attn_course.distributed.layout.sequence_positions` with the same ``layout``): q ``(B, H, L/W, D)``,
+    k ``(B, Hkv, L/W, D)``, v ``(B, Hkv, L/W, Dv)`` (``Hkv`` divides ``H``; ``Hkv = H`` for multi-head
+    attention), ``key_padding_mask`` ``(B, L/W)`` (True = real token). Returns this rank's output
     ``(B, H, L/W, Dv)``, equal to the matching rows of single-process attention. The
     backward pass (a collective too: every rank must call it) gives exact gradients.
 

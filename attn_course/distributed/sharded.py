@@ -24,12 +24,13 @@ import torch
 
 from .._checks import check_positive_int, shape_str
 from ..attention import scaled_dot_product_attention
+from ..grouped import grouped_attention
 from ._checks import check_shard
 from .exchange import CommunicationLog, log_communication, synchronize
 from .layout import gather_sequence, sequence_positions, shard_sequence
 from .ring import ring_attention
 from .runner import run_distributed
-from .ulysses import ulysses_attention
+from .ulysses import ulysses_attention, ulysses_kv_heads
 
 __all__ = ["METHODS", "ShardedAttentionRun", "run_sharded_attention", "run_sharded_attention_batch"]
 
@@ -152,7 +153,8 @@ def _sharded_call(method, q, k, v, keep, is_causal, layout, fused):
     if method == "ulysses":
         return ulysses_attention(q, k, v, key_padding_mask=keep, is_causal=is_causal, layout=layout, fused=fused)
     mask = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, L)
-    return scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, fused=fused)  # one process, W = 1
+    attend = scaled_dot_product_attention if k.shape[1] == q.shape[1] else grouped_attention  # lesson 11's GQA
+    return attend(q, k, v, mask, is_causal=is_causal, fused=fused)  # one process, W = 1
 
 
 def run_sharded_attention(
@@ -175,7 +177,8 @@ def run_sharded_attention(
     """Run one attention method on ``world_size`` new processes, from full tensors, and gather the result.
 
     Args:
-        q, k, v: the whole sequence, ``(B, H, L, D)``, ``(B, H, L, D)``, ``(B, H, L, Dv)``.
+        q, k, v: the whole sequence, ``(B, H, L, D)``, ``(B, Hkv, L, D)``, ``(B, Hkv, L, Dv)``
+            (``Hkv = H``, or fewer K/V heads shared by groups of query heads, lesson 11).
         method: ``"ring"`` (:func:`ring_attention`), ``"ulysses"`` (:func:`ulysses_attention`)
             or ``"dense"`` (:func:`~attn_course.scaled_dot_product_attention` in one process:
             the baseline; world_size must be 1).
@@ -209,14 +212,14 @@ def _job(world_size: int, device: str, q, k, v, method="ring", key_padding_mask=
     layout = layout or ("zigzag" if method == "ring" else "contiguous")
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_shard(name, x)
-    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"expected q, k (B, H, L, D) and v (B, H, L, Dv) of one sequence, got q {shape_str(q.shape)}, "
-                         f"k {shape_str(k.shape)}, v {shape_str(v.shape)}")
+    if (k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:] or v.shape[:3] != k.shape[:3]
+            or q.shape[1] % k.shape[1]):
+        raise ValueError(f"expected q (B, H, L, D), k (B, Hkv, L, D) and v (B, Hkv, L, Dv) of one sequence, with Hkv "
+                         f"dividing H, got q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}")
     B, H, L, _ = q.shape
     sequence_positions(L, world_size, layout=layout)  # raises if the world size does not divide the sequence
-    if method == "ulysses" and H % world_size:
-        raise ValueError(f"ulysses splits the H = {H} heads over world_size = {world_size} ranks: H must be a multiple "
-                         "of the world size")
+    if method == "ulysses":
+        ulysses_kv_heads(H, k.shape[1], world_size)  # raises if the heads cannot be split over the ranks
     if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, L)):
         raise ValueError(f"key_padding_mask must be bool (B, L) = ({B}, {L}), got {key_padding_mask.dtype} "
                          f"{shape_str(key_padding_mask.shape)}")

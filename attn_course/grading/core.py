@@ -309,14 +309,20 @@ def _call_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout_s: float
     if not use_alarm:
         return fn(*args, **kwargs)
 
+    running = [True]
+
     def on_alarm(signum, frame):
-        raise _CallTimeout(f"took longer than {timeout_s:g} s (an endless loop?)")
+        if running[0]:
+            raise _CallTimeout(f"took longer than {timeout_s:g} s (an endless loop?)")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    # The alarm repeats: code that catches `Exception` (the learner's, or a library's) may swallow
+    # one timeout, and a one-shot alarm would then leave an endless loop running for ever.
+    signal.setitimer(signal.ITIMER_REAL, timeout_s, max(timeout_s, 0.05))
     try:
         return fn(*args, **kwargs)
     finally:
+        running[0] = False  # from here on a late alarm is a no-op
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 

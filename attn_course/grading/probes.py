@@ -36,7 +36,9 @@ What is measured (keys of ``outcome.probe``)
       of a builtin. A Python function is matched by its *code object*, so every route reaches
       it: ``ac.causal_mask``, ``from attn_course.masks import causal_mask``, an alias, a
       library helper that calls it. A builtin (``torch.nn.functional.scaled_dot_product_attention``)
-      is matched by identity. A class name means its ``forward`` (``torch.nn.MultiheadAttention``).
+      is matched by identity, a ``torch.Tensor`` method (``torch.Tensor.repeat_interleave``) by its
+      name when called on a tensor (``x.repeat_interleave(...)``). A class name means its
+      ``forward`` (``torch.nn.MultiheadAttention``).
     * The dispatch mode matches aten op names against patterns (``"aten._scaled_dot_product_*"``),
       so PyTorch's fused attention kernels are caught however they were reached
       (``torch.ops.aten...``, a module's fast path). An exact aten name (no ``*``) is also
@@ -132,6 +134,7 @@ class _Resolved:
     def __init__(self) -> None:
         self.codes: dict[CodeType, str] = {}  # Python functions, by code object
         self.builtins: dict[int, tuple[Any, str]] = {}  # builtins, by id (object kept alive)
+        self.tensor_methods: dict[str, str] = {}  # torch.Tensor methods, by name: x.method(...) is a bound builtin
         self.aten_patterns: list[tuple[str, str]] = []  # (fnmatch pattern, declared name)
 
 
@@ -199,6 +202,8 @@ def resolve_forbidden(names: tuple[str, ...]) -> _Resolved:
         code = _code_of(obj)
         if code is not None:
             resolved.codes[code] = name
+        elif inspect.ismethoddescriptor(obj) and issubclass(torch.Tensor, getattr(obj, "__objclass__", type(None))):
+            resolved.tensor_methods[obj.__name__] = name  # "torch.Tensor.repeat_interleave": x.repeat_interleave(...)
         elif callable(obj):  # a builtin: matched by identity in c_call events
             resolved.builtins[id(obj)] = (obj, name)
         else:
@@ -329,6 +334,10 @@ class Probe:
             hit = targets.builtins.get(id(arg))
             if hit is not None and hit[0] is arg:
                 self._record_call(hit[1])
+            elif targets.tensor_methods and isinstance(getattr(arg, "__self__", None), torch.Tensor):
+                name = targets.tensor_methods.get(getattr(arg, "__name__", ""))
+                if name is not None:
+                    self._record_call(name)
 
     def _on_op(self, func, args, kwargs, out) -> None:
         if self._targets is not None and self._targets.aten_patterns:

@@ -14,7 +14,28 @@ from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
 from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
 
-__all__ = ["STABLE_SOFTMAX", "ATTENTION", "ADDITIVE_ATTENTION"]
+__all__ = ["STABLE_SOFTMAX", "ATTENTION", "ADDITIVE_ATTENTION", "COURSE_ATTENTION"]
+
+# Every softmax-attention implementation in the library, by the name a hint gives it. Any of them
+# does a softmax-attention task for the learner (chunked and sparse attention, the online softmax's
+# first step, the multi-head modules), so tasks whose concept is attention itself forbid them all,
+# besides PyTorch's own. With values set to the identity they compute a softmax, so
+# 01.stable_softmax forbids them too. (Linear attention is not here: it computes other values.)
+COURSE_ATTENTION = (
+    "attn_course.attention.scaled_dot_product_attention",
+    "attn_course.chunked.query_chunked_attention",
+    "attn_course.chunked.chunked_attention",
+    "attn_course.chunked.partial_attention",
+    "attn_course.sparse.sparse_attention",
+    "attn_course.sparse.SparseAttention",
+    "attn_course.grouped.grouped_attention",
+    "attn_course.multihead.MultiHeadAttention",
+    "attn_course.dynamic.DynamicHeadAttention",
+    "attn_course.positional.RelativePositionMultiHeadAttention",
+    "attn_course.distributed.ring.ring_step",
+    "attn_course.distributed.ring.ring_attention",
+    "attn_course.distributed.ulysses.ulysses_attention",
+)
 
 _SHAPE_ERROR_HINTS = (
     ("must match the size", "two tensors do not line up. For a row-wise reduction keep the reduced axis "
@@ -153,9 +174,9 @@ def _judge_softmax(cases, outcomes):
                 row = tuple(int(i) for i in empty.nonzero()[0])
                 raise Fail(
                     f"{case.name}: row {row[0] if len(row) == 1 else row} is all -inf and you return NaN there. Its "
-                    "max is -inf, and -inf - (-inf) is NaN. The course's convention: such a row gives zeros. Where "
-                    "the row max is not finite, subtract 0 instead (torch.where(torch.isfinite(m), m, 0)); "
-                    "exp(-inf) = 0, so the row of exps is 0, and guard the division (e.g. sum.clamp_min(tiny))."
+                    "max is -inf, and -inf - (-inf) is NaN. The course's convention: such a row gives zeros. Shift "
+                    "a row whose max is not finite by 0 instead: exp(-inf) = 0, so all its exps are 0, and then "
+                    "its sum is 0 too: make sure the division does not compute 0 / 0."
                 )
             if not torch.isfinite(got).all():
                 raise Fail(f"{case.name}: {_diagnose_non_finite(got.masked_fill(empty[..., None], 0.0), x)}")
@@ -233,6 +254,13 @@ def _softmax_through_log_softmax(scores):
     return torch.nan_to_num(torch.log_softmax(scores, dim=-1).exp())
 
 
+def _softmax_through_partial_attention(scores):
+    import attn_course as ac
+
+    identity = torch.eye(scores.shape[-1], dtype=scores.dtype)  # (S, S): values that spell out the weights
+    return ac.finish_partial(ac.partial_attention(scores, identity))  # the online softmax's first step does it
+
+
 def _softmax_in_place(scores):
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -260,6 +288,9 @@ STABLE_SOFTMAX = Task(
         "torch.softmax with nan_to_num": Wrong(_softmax_torch_nan_to_num, "you called torch.softmax", kind="algorithm"),
         "calls attn_course.stable_softmax": Wrong(_softmax_course, "you called attn_course.stable_softmax", kind="algorithm"),
         "exp of torch.log_softmax": Wrong(_softmax_through_log_softmax, "you called torch.log_softmax"),
+        "attn_course.partial_attention with identity values": Wrong(
+            _softmax_through_partial_attention, "you called attn_course.partial_attention", kind="algorithm"
+        ),
     },
     # The task is the softmax itself: PyTorch's softmax (by any route) and the course's are off limits.
     forbidden=(
@@ -271,6 +302,8 @@ STABLE_SOFTMAX = Task(
         "aten._softmax",
         "aten._log_softmax",
         "aten._safe_softmax",
+        *COURSE_ATTENTION,  # attention with identity values is a softmax
+        *probes.TORCH_ATTENTION,
     ),
 )
 
@@ -445,6 +478,19 @@ def _attention_through_torch_ops(q, k, v):
     return torch.ops.aten.scaled_dot_product_attention(q, k, v)
 
 
+def _attention_through_chunked(q, k, v):
+    import attn_course as ac
+
+    return ac.chunked_attention(q, k, v)  # lesson 07's online softmax: right values, not this task's work
+
+
+def _attention_through_partial(q, k, v):
+    import attn_course as ac
+
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., L, S)
+    return ac.finish_partial(ac.partial_attention(scores, v))  # the softmax and weighted sum, done by the library
+
+
 def _attention_scales_q_in_place(q, k, v):
     q.mul_(1 / math.sqrt(q.shape[-1]))  # "saves a multiplication" but changes the caller's q
     return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
@@ -478,10 +524,16 @@ ATTENTION = Task(
         "reaches PyTorch's kernel through torch.ops.aten": Wrong(
             _attention_through_torch_ops, "you called PyTorch's aten.", kind="algorithm"
         ),
+        # Its float32 outputs differ from the reference's in the last bits (another summation order), which
+        # the catalogue's exact comparison counts as "values"; the delegation rule is what rejects it.
+        "calls attn_course.chunked_attention": Wrong(_attention_through_chunked, "you called attn_course.chunked_attention"),
+        "softmax and weighted sum by attn_course.partial_attention": Wrong(
+            _attention_through_partial, "you called attn_course.partial_attention", kind="algorithm"
+        ),
     },
     # The task is the attention formula itself: no attention implementation may do it for the learner.
     forbidden=(
-        "attn_course.attention.scaled_dot_product_attention",
+        *COURSE_ATTENTION,
         *probes.TORCH_ATTENTION,
         *probes.TORCH_MULTIHEAD,
     ),

@@ -440,6 +440,27 @@ def _mha_variant(
     return out.transpose(0, 1) if sequence_first else out  # (L, B, E)
 
 
+def _mha_reshaped_sequence_first(x, in_w, in_b, out_w, out_b, H, *, split_straight=True, merge_straight=True):
+    """The forward pass on (L, B, E) with the heads split and/or merged by one plain reshape (the token-mixing bug)."""
+    L, B, E = x.shape
+    D = E // H
+
+    def split(t):  # (L, B, E) -> (B, H, L, D)
+        return t.reshape(B, H, L, D) if split_straight else t.reshape(L, B, H, D).permute(1, 2, 0, 3)
+
+    q, k, v = (split(t) for t in F.linear(x, in_w, in_b).chunk(3, dim=-1))  # (B, H, L, D) each
+    context = scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
+    merged = context.reshape(L, B, E) if merge_straight else context.permute(2, 0, 1, 3).reshape(L, B, E)  # (L, B, E)
+    return F.linear(merged, out_w, out_b)  # (L, B, E)
+
+
+_RESHAPE_LESSON = (
+    "reshape keeps the memory order, so it mixes tokens, batch elements and heads (even with one head: B and L trade "
+    "places). Cut E into (H, D) with a view to (L, B, H, D) and permute to (B, H, L, D); to merge, permute back to "
+    "(L, B, H, D) before flattening. Your split_heads and merge_heads from tasks 1 and 2 do exactly this."
+)
+
+
 def _diagnose_mha(got, args) -> str | None:
     x, E, H = args[0], args[0].shape[-1], args[-1]
     D = E // H
@@ -447,9 +468,19 @@ def _diagnose_mha(got, args) -> str | None:
     def variant(**changes):
         return lambda: _mha_variant(*args, **changes)
 
+    def reshaped(**changes):
+        return lambda: _mha_reshaped_sequence_first(*args, **changes)
+
     return first_match(
         got,
         [
+            (reshaped(),
+             "you split (L, B, E) into (B, H, L, D) and merged (B, H, L, D) back into (L, B, E) with plain reshapes: "
+             + _RESHAPE_LESSON),
+            (reshaped(merge_straight=False),
+             "you split (L, B, E) into (B, H, L, D) with one plain reshape: " + _RESHAPE_LESSON),
+            (reshaped(split_straight=False),
+             "you merged (B, H, L, D) back into (L, B, E) with one plain reshape: " + _RESHAPE_LESSON),
             (variant(sequence_first=False),
              "your output is what attention over the *batch* axis gives: you read x as (B, L, E). "
              "nn.MultiheadAttention's default layout is sequence-first, (L, B, E): axis 0 is the position."),
@@ -551,6 +582,10 @@ def _mha_split_without_transpose(*args):
     return _mha_variant(*args, split=_split_straight)
 
 
+def _mha_plain_reshapes(*args):
+    return _mha_reshaped_sequence_first(*args)  # (L, B, E) -> (B, H, L, D) and back, by plain reshapes
+
+
 def _mha_scale_by_d_model(*args):
     return _mha_variant(*args, scale=1.0 / math.sqrt(args[0].shape[-1]))
 
@@ -606,6 +641,7 @@ MHA_FORWARD = Task(
         "no output projection": Wrong(_mha_no_out_proj, "before the output projection"),
         "heads merged without the transpose": Wrong(_mha_merge_without_transpose, "merge the heads by reshaping"),
         "heads split without the transpose": Wrong(_mha_split_without_transpose, "split the heads by reshaping"),
+        "(L, B, E) split and merged by plain reshapes": Wrong(_mha_plain_reshapes, "with plain reshapes"),
         "scale 1/sqrt(d_model) instead of 1/sqrt(head_dim)": Wrong(_mha_scale_by_d_model, "1/sqrt(head_dim)"),
         "biases dropped": Wrong(_mha_no_biases, "dropped the biases"),
         "x @ W instead of x @ W.T": Wrong(_mha_untransposed_weights, "x @ W.T + b"),
@@ -671,7 +707,10 @@ def _head_rows(H: int, D: int, heads, *, strided: bool = False) -> torch.Tensor:
     return torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads])
 
 
-def _prune_variant(in_w, in_b, out_w, H, keep, *, strided=False, out_order=None, out_rows=False, keep_all_values=False):
+def _prune_variant(
+    in_w, in_b, out_w, H, keep, *,
+    strided=False, out_order=None, out_rows=False, out_rows_transposed=False, keep_all_values=False, offsets=True,
+):
     """The pruned weights with one classic mistake switched on."""
     E = in_w.shape[1]
     D = E // H
@@ -681,10 +720,15 @@ def _prune_variant(in_w, in_b, out_w, H, keep, *, strided=False, out_order=None,
         if part == 2 and keep_all_values:
             blocks.append(torch.arange(2 * E, 3 * E))
         else:
-            blocks.append(part * E + rows)
+            blocks.append(part * E + rows if offsets else rows)  # without the offsets: W_q's rows three times
     index = torch.cat(blocks)
     columns = _head_rows(H, D, keep if out_order is None else out_order, strided=strided)
-    new_out = out_w[columns] if out_rows else out_w[:, columns]
+    if out_rows:
+        new_out = out_w[columns]  # (K*D, E)
+    elif out_rows_transposed:
+        new_out = out_w[columns].T  # (E, K*D): the right shape, from W^O's rows
+    else:
+        new_out = out_w[:, columns]  # (E, K*D)
     return in_w[index], in_b[index], new_out
 
 
@@ -719,6 +763,14 @@ def _diagnose_prune(got, in_w, in_b, out_w, H, keep) -> str | None:
         (lambda: _prune_variant(in_w, in_b, out_w, H, keep, out_order=sorted(keep)),
          "your W_in takes the kept heads in the order of keep but your W^O in sorted order: head i of the pruned "
          "W_in must meet head i of the pruned W^O. Use one order for both."),
+        (lambda: _prune_variant(in_w, in_b, out_w, H, keep, offsets=False),
+         "your in_proj_weight repeats the same rows three times: the kept heads' rows of W_q. in_proj_weight stacks "
+         "[W_q; W_k; W_v], each (E, E), so the same heads' rows of W_k start at row E and those of W_v at row 2E: add "
+         "E and 2E to the row indices of the second and third blocks (and the same for in_proj_bias)."),
+        (lambda: _prune_variant(in_w, in_b, out_w, H, keep, out_rows_transposed=True),
+         "your out_proj_weight holds the kept heads' rows of W^O, transposed to fit the shape. W^O (out_proj.weight, "
+         "(E, E), used as x @ W^O.T) reads head h through its columns h*D .. (h+1)*D - 1: slice columns, "
+         "out_proj_weight[:, rows], not rows."),
         (lambda: _prune_variant(in_w, in_b, out_w, H, dropped),
          f"you returned the heads that should go ({dropped}) and removed the ones in keep ({keep})."),
     ]
@@ -823,6 +875,14 @@ def _prune_complement(in_w, in_b, out_w, H, keep):
     return _prune_variant(in_w, in_b, out_w, H, [h for h in range(H) if h not in keep])
 
 
+def _prune_no_offsets(in_w, in_b, out_w, H, keep):
+    return _prune_variant(in_w, in_b, out_w, H, keep, offsets=False)
+
+
+def _prune_out_rows_transposed(in_w, in_b, out_w, H, keep):
+    return _prune_variant(in_w, in_b, out_w, H, keep, out_rows_transposed=True)
+
+
 def _prune_all_values(in_w, in_b, out_w, H, keep):
     return _prune_variant(in_w, in_b, out_w, H, keep, keep_all_values=True)
 
@@ -857,6 +917,8 @@ PRUNE_HEADS = Task(
     wrong={
         "heads taken as strided rows": Wrong(_prune_strided, "every H-th row"),
         "W^O's rows pruned instead of its columns": Wrong(_prune_out_rows, "prune its columns"),
+        "W^O's rows, transposed to the right shape": Wrong(_prune_out_rows_transposed, "slice columns"),
+        "W_q's rows three times (no E and 2E offsets)": Wrong(_prune_no_offsets, "add E and 2E"),
         "W^O in sorted order, W_in in keep's order": Wrong(_prune_out_sorted, "Use one order for both"),
         "keeps the dropped heads": Wrong(_prune_complement, "the heads that should go"),
         "every value head kept": Wrong(_prune_all_values, "every head of W_v"),

@@ -13,6 +13,7 @@ from .. import probes
 from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
 from ._common import answered, first_match, returned, seeded_randn
+from .lesson01 import COURSE_ATTENTION
 
 __all__ = ["CAUSAL_MASK", "PADDING_MASK", "MASKED_ATTENTION", "CROSS_ATTENTION_MASK"]
 
@@ -110,6 +111,19 @@ def _causal_bottom_right(L, S):
     return torch.tril(torch.ones(L, S, dtype=torch.bool), diagonal=S - L)
 
 
+def _causal_from_torch_transformer(L, S):
+    n = max(L, S)
+    float_mask = torch.nn.Transformer.generate_square_subsequent_mask(n)  # (n, n): 0 allowed, -inf blocked
+    return ~torch.isinf(float_mask)[:L, :S]  # PyTorch's causal mask, cut to (L, S): right values
+
+
+def _causal_from_sparse_pattern(L, S):
+    import attn_course as ac
+
+    n = max(L, S)  # a causal sliding window as wide as the sequence is the causal mask
+    return ac.pattern_mask(n, pattern="sliding", size=n, is_causal=True)[:L, :S]
+
+
 CAUSAL_MASK = Task(
     id="03.causal_mask",
     title="Causal mask",
@@ -125,8 +139,23 @@ CAUSAL_MASK = Task(
         "ignores S (always square)": Wrong(_causal_square_only, "shape"),
         "bottom-right aligned": Wrong(_causal_bottom_right, "top-left"),
         "calls attn_course.causal_mask": Wrong(_causal_with_the_library, "you called attn_course.causal_mask", kind="algorithm"),
+        "PyTorch's nn.Transformer.generate_square_subsequent_mask": Wrong(
+            _causal_from_torch_transformer, "you called torch.nn.Transformer.generate_square_subsequent_mask",
+            kind="algorithm",
+        ),
+        "attn_course.pattern_mask with is_causal": Wrong(
+            _causal_from_sparse_pattern, "you called attn_course.pattern_mask", kind="algorithm"
+        ),
     },
-    forbidden=("attn_course.masks.causal_mask",),
+    # The causal mask itself, from the course or from PyTorch (its Transformer's mask, its CausalBias),
+    # and the course's sparse patterns, which build it when asked for is_causal.
+    forbidden=(
+        "attn_course.masks.causal_mask",
+        "torch.nn.Transformer.generate_square_subsequent_mask",
+        "torch.nn.modules.transformer._generate_square_subsequent_mask",
+        "torch.nn.attention.bias.CausalBias._materialize",
+        "attn_course.sparse.pattern_mask",
+    ),
 )
 
 
@@ -293,7 +322,10 @@ def _scores(q, k):
     return torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (..., L, S)
 
 
-def _diagnose_masked(got, q, k, v, mask) -> str | None:
+def _diagnose_masked(got, q, k, v, mask, *, atol=1e-9, rtol=1e-7) -> str | None:
+    if q.dtype in (torch.float16, torch.bfloat16):  # compare in float64, with half precision's tolerance
+        got, (q, k, v) = got.double(), (t.double() for t in (q, k, v))
+        atol, rtol = max(atol, 1e-2), max(rtol, 1e-2)
     return first_match(
         got,
         [
@@ -310,14 +342,21 @@ def _diagnose_masked(got, q, k, v, mask) -> str | None:
              "multiplying the scores by the mask sets blocked scores to 0, and exp(0) = 1 still gives those keys "
              "weight. Fill blocked scores with -inf instead."),
         ],
-        atol=1e-9,
-        rtol=1e-7,
+        atol=atol,
+        rtol=rtol,
     )
+
+
+def _first_wrong_row(got, expected, *, atol, rtol) -> tuple[int, ...] | None:
+    """Index (..., i) of the first query row where ``got`` and ``expected`` differ, or None."""
+    close = torch.isclose(got.detach().double(), expected.double(), atol=atol, rtol=rtol)  # (..., L, Dv)
+    wrong = (~close).any(dim=-1).nonzero()  # rows (..., i) with at least one wrong entry
+    return tuple(int(i) for i in wrong[0]) if len(wrong) else None
 
 
 _MASKED_ERROR_HINTS = (
     ("without overflow", "a fill value such as -1e9 does not fit in float16 (largest magnitude 65504). Fill with "
-     "float('-inf') and handle rows with nothing to attend to, or use torch.finfo(scores.dtype).min."),
+     "float('-inf'), which every floating type holds exactly, and give rows with nothing to attend to zeros."),
 )
 
 
@@ -359,15 +398,24 @@ def _judge_masked(cases, outcomes):
                     "finite fill value (like -1e9 or finfo.min) makes those rows uniform. Fill with -inf and give "
                     "empty rows zeros."
                 )
-            expect_close(got, expected, what=case.name, atol=atol, rtol=1e-5 if atol > 1e-9 else 1e-7,
-                         hint=_diagnose_masked(got, q, k, v, mask) or "")
-    with checklist.check("works in float16 (no -1e9 literals)"):
+            rtol = 1e-5 if atol > 1e-9 else 1e-7
+            hint = _diagnose_masked(got, q, k, v, mask) or ""
+            row = _first_wrong_row(got, expected, atol=atol, rtol=rtol) if got.shape == expected.shape else None
+            if row is not None and not empty[row]:
+                # The empty rows are fine; say so, so that this check's title does not send the learner there.
+                hint = (f"The empty rows are right, but row {row} of your output belongs to a query that may attend to "
+                        f"some keys, and it is wrong. " + hint).strip()
+            expect_close(got, expected, what=case.name, atol=atol, rtol=rtol, hint=hint)
+    with checklist.check("works in float16 (blocked scores need a fill value float16 can hold)"):
         case, outcome = cases[_HALF_CAUSAL], outcomes[_HALF_CAUSAL]
         q, k, v, mask = case.args
         got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
         expected = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask)
         expect_shape(got, expected.shape, what=case.name)
-        expect_close(got, expected, what=case.name, atol=1e-2, rtol=1e-2)
+        hint = _diagnose_masked(got, q, k, v, mask) or (
+            "The float64 cases pass, so the algorithm is right: look for a step that loses float16's range or "
+            "precision (a fill value it cannot hold, a softmax computed in float16 without subtracting the max).")
+        expect_close(got, expected, what=case.name, atol=1e-2, rtol=1e-2, hint=hint)
     with checklist.check("leaves q, k, v and the mask unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_MASKED_ERROR_HINTS):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -419,6 +467,19 @@ def _masked_ignores_mask(q, k, v, mask):
     return torch.softmax(_scores(q, k), dim=-1) @ v
 
 
+def _masked_chunked(q, k, v, mask):
+    import attn_course as ac
+
+    return ac.chunked_attention(q, k, v, mask)  # lesson 07's online softmax does the masking and the rest
+
+
+def _masked_partial(q, k, v, mask):
+    import attn_course as ac
+
+    scores = _scores(q, k).masked_fill(~mask, float("-inf"))  # (..., L, S)
+    return ac.finish_partial(ac.partial_attention(scores, v))  # the softmax and weighted sum, by the library
+
+
 def _masked_scales_q_in_place(q, k, v, mask):
     q /= math.sqrt(q.shape[-1])  # "saves a division" but changes the caller's q
     scores = torch.matmul(q, k.transpose(-2, -1)).masked_fill(~mask, float("-inf"))  # (..., L, S)
@@ -449,10 +510,15 @@ MASKED_ATTENTION = Task(
         "calls attn_course.scaled_dot_product_attention": Wrong(
             _masked_course_sdpa, "you called attn_course.scaled_dot_product_attention"
         ),
+        "calls attn_course.chunked_attention": Wrong(_masked_chunked, "you called attn_course.chunked_attention"),
+        "softmax and weighted sum by attn_course.partial_attention": Wrong(
+            _masked_partial, "you called attn_course.partial_attention"
+        ),
     },
-    # The task is masked attention itself: no attention implementation may do it for the learner.
+    # The task is masked attention itself: no attention implementation, the library's (any of them)
+    # or PyTorch's, may do it for the learner. The library's stable_softmax and mask_to_bias stay allowed.
     forbidden=(
-        "attn_course.attention.scaled_dot_product_attention",
+        *COURSE_ATTENTION,
         *probes.TORCH_ATTENTION,
         *probes.TORCH_MULTIHEAD,
     ),

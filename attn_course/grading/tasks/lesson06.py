@@ -26,7 +26,7 @@ from ..judging import (
 from ._common import answered, returned, seeded_randn
 from ._variants import distinct_match
 
-__all__ = ["LINEAR_ATTENTION", "CAUSAL_LINEAR_ATTENTION"]
+__all__ = ["LINEAR_ATTENTION", "CAUSAL_LINEAR_ATTENTION", "CHUNKWISE_CAUSAL_LINEAR_ATTENTION"]
 
 EPS = 1e-6
 # The work allowed, in multiples of the linear form's count (_linear_flops, _causal_flops). Measured on
@@ -83,11 +83,11 @@ def _linear_cases() -> list[Case]:
              (randn(2, 2, 7, 4), randn(2, 2, 9, 4), randn(2, 2, 9, 3), None)),
         Case("padding mask (2, 1, 1, 9), lengths 9 and 5: q (2, 2, 7, 4), k (2, 2, 9, 4), v (2, 2, 9, 3), float64",
              (randn(2, 2, 7, 4), randn(2, 2, 9, 4), randn(2, 2, 9, 3), padding)),
-        Case("the second sequence is all padding: mask (2, 1, 1, 6), q, k, v (2, 1, 6, 4), float64",
-             (randn(2, 1, 6, 4), randn(2, 1, 6, 4), randn(2, 1, 6, 4), all_padding)),
-        Case("no mask, float32: q, k, v (1, 2, 8, 8)",
-             (randn(1, 2, 8, 8, dtype=torch.float32), randn(1, 2, 8, 8, dtype=torch.float32),
-              randn(1, 2, 8, 8, dtype=torch.float32), None)),
+        Case("the second sequence is all padding: mask (2, 1, 1, 6), q (2, 2, 5, 4), k, v (2, 2, 6, 4), float64",
+             (randn(2, 2, 5, 4), randn(2, 2, 6, 4), randn(2, 2, 6, 4), all_padding)),
+        Case("no mask, float32: q, k, v (2, 2, 8, 8)",
+             (randn(2, 2, 8, 8, dtype=torch.float32), randn(2, 2, 8, 8, dtype=torch.float32),
+              randn(2, 2, 8, 8, dtype=torch.float32), None)),
         # Long enough that the (L, S) matrix dwarfs every linear intermediate: with M = Dv = 4 an
         # honest form holds at most (B, H, S, M, Dv), under 1/5 of L * S.
         Case("long, no mask: q (1, 2, 256, 4), k (1, 2, 192, 4), v (1, 2, 192, 4), float64",
@@ -313,20 +313,21 @@ def _causal_cases() -> list[Case]:
     k_future, v_future = k.clone(), v.clone()
     k_future[..., 6:, :] = randn(2, 2, 3, 4)  # change only positions 6, 7, 8
     v_future[..., 6:, :] = randn(2, 2, 3, 3)
-    q_zero = randn(1, 12, 5)
+    q_zero = randn(2, 12, 5)
     q_zero[:, 4, :] = -800.0  # phi(q_4) = exp(-800) = 0 in float64: a zero denominator
     return [
         Case("q, k (2, 2, 9, 4), v (2, 2, 9, 3), float64", (q, k, v)),
         Case("the same q, with keys and values changed at positions 6, 7, 8 only", (q.clone(), k_future, v_future)),
-        Case("q, k, v (1, 12, 5) without a head axis; q[:, 4] = -800, so phi(q_4) = 0, float64",
-             (q_zero, randn(1, 12, 5), randn(1, 12, 5))),
-        Case("a single position: q, k, v (2, 1, 4), float64", (randn(2, 1, 4), randn(2, 1, 4), randn(2, 1, 4))),
-        Case("float32: q, k, v (1, 2, 16, 8)",
-             (randn(1, 2, 16, 8, dtype=torch.float32), randn(1, 2, 16, 8, dtype=torch.float32),
-              randn(1, 2, 16, 8, dtype=torch.float32))),
+        Case("q, k, v (2, 12, 5) without a head axis; q[:, 4] = -800, so phi(q_4) = 0, float64",
+             (q_zero, randn(2, 12, 5), randn(2, 12, 5))),
+        Case("a single position: q, k, v (2, 2, 1, 4), float64",
+             (randn(2, 2, 1, 4), randn(2, 2, 1, 4), randn(2, 2, 1, 4))),
+        Case("float32: q, k, v (2, 2, 16, 8)",
+             (randn(2, 2, 16, 8, dtype=torch.float32), randn(2, 2, 16, 8, dtype=torch.float32),
+              randn(2, 2, 16, 8, dtype=torch.float32))),
         # Long enough that the (L, L) matrix dwarfs the prefix sums: with M = Dv = 4 the cumsum form
-        # holds (B, H, L, M, Dv), 1/8 (then 1/7) of L * L.
-        Case("long: q, k, v (1, 2, 256, 4), float64", (randn(1, 2, 256, 4), randn(1, 2, 256, 4), randn(1, 2, 256, 4))),
+        # holds (B, H, L, M, Dv), 1/4 (then 1/14) of L * L.
+        Case("long: q, k, v (2, 2, 256, 4), float64", (randn(2, 2, 256, 4), randn(2, 2, 256, 4), randn(2, 2, 256, 4))),
         Case("long, no head axis: q, k, v (2, 224, 4), float64",
              (randn(2, 224, 4), randn(2, 224, 4), randn(2, 224, 4))),
     ]
@@ -580,4 +581,334 @@ CAUSAL_LINEAR_ATTENTION = Task(
     accepted={"recurrent form: a running state updated one position at a time": _causal_recurrent},
     measure=("largest", "flops"),
     forbidden=FORBIDDEN,
+)
+
+
+# --- 06.chunkwise_causal_linear_attention (stretch) ------------------------------------------
+# The learner writes chunkwise_causal_linear_attention(q, k, v, chunk_size): the same numbers as
+# 06.causal_linear_attention (elu(x) + 1, eps = 1e-6 in the denominator, self-attention), computed
+# chunk by chunk: inside a chunk, the masked (c, c) quadratic form; from the chunks before it, one
+# state S = sum_j phi(k_j) v_j^T (M, Dv) and z = sum_j phi(k_j) (M,), updated once per chunk. No
+# (L, L) matrix, and no per-position states (c, M, Dv): that is what the prefix-sum form pays.
+
+
+def _chunkwise_cases() -> list[Case]:
+    randn = seeded_randn(626)
+
+    def qkv(*shape, dv=None, dtype=torch.float64):
+        value_shape = (*shape[:-1], dv or shape[-1])
+        return randn(*shape, dtype=dtype), randn(*shape, dtype=dtype), randn(*value_shape, dtype=dtype)
+
+    q_zero, k_zero, v_zero = qkv(2, 12, 5)
+    q_zero[:, 4, :] = -800.0  # phi(q_4) = exp(-800) = 0 in float64: a zero denominator
+    return [
+        Case("q, k (2, 2, 12, 4), v (2, 2, 12, 3), chunk_size=4 (3 chunks), float64", (*qkv(2, 2, 12, 4, dv=3), 4)),
+        Case("q, k, v (2, 2, 10, 4), chunk_size=4 (10 = 2 chunks + 2), float64", (*qkv(2, 2, 10, 4), 4)),
+        Case("q, k, v (2, 2, 9, 4), chunk_size=1 (one position per chunk), float64", (*qkv(2, 2, 9, 4), 1)),
+        Case("q, k, v (2, 7, 4) without a head axis, chunk_size=16 (one chunk longer than the sequence), float64",
+             (*qkv(2, 7, 4), 16)),
+        Case("q, k, v (2, 12, 5) without a head axis, chunk_size=5; q[:, 4] = -800, so phi(q_4) = 0, float64",
+             (q_zero, k_zero, v_zero, 5)),
+        Case("float32: q, k, v (2, 2, 16, 8), chunk_size=8", (*qkv(2, 2, 16, 8, dtype=torch.float32), 8)),
+        # Long: the (L, L) matrix is at least 4x every honest intermediate (the parallel form's (B, H, n, c, c)).
+        Case("long: q, k, v (2, 2, 256, 4), chunk_size=16, float64", (*qkv(2, 2, 256, 4), 16)),
+        Case("long: q, k, v (2, 2, 200, 4), chunk_size=8, float64", (*qkv(2, 2, 200, 4), 8)),
+        # Wide: M = Dv = 16, so one chunk's per-position states (B, H, c, M, Dv) are 4x every honest
+        # intermediate ((B, H, L, M) features, the (B, H, L, Dv) output, the parallel form's states).
+        Case("wide: q, k, v (2, 2, 64, 16), chunk_size=16, float64", (*qkv(2, 2, 64, 16), 16)),
+        Case("wide: q, k, v (2, 2, 60, 16), chunk_size=16 (60 = 3 chunks + 12), float64", (*qkv(2, 2, 60, 16), 16)),
+    ]
+
+
+(_CW_MULTIPLE, _CW_SHORT_LAST, _CW_ONE, _CW_ONE_CHUNK, _CW_ZERO_FEATURES, _CW_FLOAT32,
+ _CW_LONG, _CW_LONG_2, _CW_WIDE, _CW_WIDE_2) = range(10)
+
+
+def _chunkwise_form(q, k, v, chunk_size, *, intra="inclusive", carry=True, update_first=False, eps=EPS,
+                    normalise=True, feature_map=_phi, whole_chunks_only=False):
+    """Chunkwise causal linear attention, one chunk at a time, optionally with one classic mistake.
+
+    ``intra``: which keys of its own chunk a query reads: ``"inclusive"`` (j <= t, right),
+    ``"strict"`` (j < t) or ``"all"`` (the whole chunk: the future leaks in).
+    """
+    phi_q, phi_k = feature_map(q), feature_map(k)  # (..., L, M)
+    L, M, Dv = q.shape[-2], phi_q.shape[-1], v.shape[-1]
+    if whole_chunks_only:  # the classic shortcut: a view into (L // c, c) chunks
+        phi_q, phi_k, v = (x.unflatten(-2, (L // chunk_size, chunk_size)).flatten(-3, -2) for x in (phi_q, phi_k, v))
+    state = q.new_zeros(*q.shape[:-2], M, Dv)  # (..., M, Dv), S over the chunks before this one
+    z = q.new_zeros(*q.shape[:-2], M, 1)  # (..., M, 1)
+    diagonal = {"inclusive": 0, "strict": -1}.get(intra)
+    outputs = []
+    for start in range(0, L, chunk_size):
+        pq, pk, pv = (x[..., start:start + chunk_size, :] for x in (phi_q, phi_k, v))  # (..., c, M or Dv)
+        if update_first:
+            state, z = state + pk.transpose(-2, -1) @ pv, z + pk.sum(dim=-2)[..., None]
+        scores = pq @ pk.transpose(-2, -1)  # (..., c, c), phi(q_t) . phi(k_j) inside the chunk
+        if diagonal is not None:
+            scores = scores.tril(diagonal)  # keys j <= t (or j < t) of this chunk
+        numerator = scores @ pv + pq @ state  # (..., c, Dv)
+        if not normalise:
+            outputs.append(numerator)
+        else:
+            outputs.append(numerator / (scores.sum(dim=-1, keepdim=True) + pq @ z + eps))  # (..., c, Dv)
+        if carry and not update_first:
+            state, z = state + pk.transpose(-2, -1) @ pv, z + pk.sum(dim=-2)[..., None]  # (..., M, Dv), (..., M, 1)
+        elif not carry:
+            state, z = torch.zeros_like(state), torch.zeros_like(z)
+    return torch.cat(outputs, dim=-2)  # (..., L, Dv)
+
+
+def _diagnose_chunkwise(got, q, k, v, chunk_size) -> str | None:
+    return distinct_match(
+        got,
+        linear_attention_quadratic(q, k, v, is_causal=True),
+        [
+            (lambda: _chunkwise_form(q, k, v, chunk_size, intra="all"),
+             "inside a chunk your queries read the whole chunk, later keys included: mask the (c, c) scores to "
+             "keys j <= t (tril) before using them."),
+            (lambda: _chunkwise_form(q, k, v, chunk_size, intra="strict"),
+             "inside a chunk, query t must include its own key: keep the diagonal, tril(0), not tril(-1)."),
+            (lambda: _chunkwise_form(q, k, v, chunk_size, update_first=True),
+             "you added the chunk to the state before reading it, so the chunk counts twice (through the state "
+             "and through its own (c, c) scores). Read the state of the chunks before, then update it."),
+            (lambda: _chunkwise_form(q, k, v, chunk_size, carry=False),
+             "each chunk starts from an empty state: carry S and z from chunk to chunk (S += phi(K_c)^T V_c, "
+             "z += the sum of phi(K_c)), so that later chunks see the earlier ones."),
+            (lambda: linear_attention(q, k, v),
+             "position t used keys after t: your output equals non-causal linear attention."),
+            (lambda: _chunkwise_form(q, k, v, chunk_size, eps=0.0),
+             "you left out eps. Add eps = 1e-6 to the denominator, num / (den + eps)."),
+            (lambda: _chunkwise_form(q, k, v, chunk_size, normalise=False),
+             "the output is not normalised: divide by the chunk's score row sums plus phi(q_t) . z, plus eps."),
+            (lambda: _chunkwise_form(q, k, v, chunk_size, feature_map=F.relu),
+             "you used relu as the feature map; this task uses elu(x) + 1."),
+        ],
+    )
+
+
+_CHUNKWISE_ERROR_HINTS = (
+    ("invalid for input of size",
+     "a view into (L // chunk_size, chunk_size) chunks needs L to be a multiple of the chunk. Let the last chunk "
+     "be shorter: slice [start : start + chunk_size] in a loop, or pad and mask."),
+    ("unflatten",
+     "a view into (L // chunk_size, chunk_size) chunks needs L to be a multiple of the chunk. Let the last chunk "
+     "be shorter: slice [start : start + chunk_size] in a loop, or pad and mask."),
+)
+
+
+def _chunkwise_flops(q, k, v, chunk_size) -> int:
+    """The chunk-by-chunk form's work, counted like the probe: (c, c) scores and mix, state read and update."""
+    L, D, Dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    M, c = D, min(chunk_size, L)  # elu(x) + 1 keeps the feature size
+    per_head = L * (2 * c * M + 2 * c * Dv + 3 * c + 4 * M * Dv + 4 * M + 3 * Dv + 4 * D)
+    return _heads(q) * per_head
+
+
+def _judge_chunkwise(cases, outcomes):
+    checklist = Checklist()
+    with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
+        for case, _, got in answered(cases, outcomes, hints=_CHUNKWISE_ERROR_HINTS):
+            q, _, v, _ = case.args
+            expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
+            expect_dtype(got, q.dtype, what=case.name)
+    for title, indices in (
+        ("equals the causally masked quadratic form, chunks of 4 (L a multiple, then a last shorter chunk)",
+         (_CW_MULTIPLE, _CW_SHORT_LAST)),
+        ("chunks of one position; one chunk longer than the sequence", (_CW_ONE, _CW_ONE_CHUNK)),
+        ("a query with zero features gives a zero row, not NaN (eps)", (_CW_ZERO_FEATURES,)),
+        ("float32 inputs", (_CW_FLOAT32,)),
+        ("long and wide sequences match the quadratic form", (_CW_LONG, _CW_LONG_2, _CW_WIDE, _CW_WIDE_2)),
+    ):
+        with checklist.check(title):
+            for index in indices:
+                case = cases[index]
+                got = returned(outcomes[index], what=case.name, hints=_CHUNKWISE_ERROR_HINTS)
+                q, k, v, chunk_size = case.args
+                expected = linear_attention_quadratic(q.double(), k.double(), v.double(), is_causal=True)
+                expect_shape(got, expected.shape, what=case.name)
+                if torch.isnan(got).any():
+                    raise Fail(
+                        f"{case.name}: NaN in your output. Where phi(q_t) is 0 numerator and denominator are both 0: "
+                        "add eps = 1e-6 to the denominator, num / (den + eps)."
+                    )
+                atol = 1e-5 if q.dtype == torch.float32 else 1e-9
+                hint = _diagnose_chunkwise(got, *case.args) if q.dtype == torch.float64 else ""
+                expect_close(got, expected, what=case.name, atol=atol, rtol=1e-7 if atol < 1e-6 else 1e-4,
+                             hint=hint or "")
+    with checklist.check("never forms an (L, L) matrix: every intermediate stays below L * L elements"):
+        for index in (_CW_LONG, _CW_LONG_2):
+            case, outcome = cases[index], outcomes[index]
+            returned(outcome, what=case.name)
+            L = case.args[0].shape[-2]
+            expect_largest_below(
+                outcome, L * L, what=case.name,
+                constraint=f"the chunkwise form never forms the (L, L) = ({L}, {L}) matrix: only one (c, c) block of "
+                "scores per chunk, inside the chunk; everything before the chunk reaches it through the state "
+                "S (M, Dv) and z (M,).",
+            )
+    with checklist.check("keeps states only at chunk boundaries: no (c, M, Dv) block of per-position states"):
+        for index in (_CW_WIDE, _CW_WIDE_2):
+            case, outcome = cases[index], outcomes[index]
+            returned(outcome, what=case.name)
+            q, _, v, chunk_size = case.args
+            M, Dv = q.shape[-1], v.shape[-1]
+            expect_largest_below(
+                outcome, _heads(q) * chunk_size * M * Dv, what=case.name,
+                constraint=f"per-position prefix sums S_t, (c, M, Dv) = ({chunk_size}, {M}, {Dv}) per chunk and head, "
+                "are what the chunkwise form avoids. Inside a chunk use the (c, c) scores phi(Q_c) phi(K_c)^T, "
+                "masked to j <= t, times V_c; for the chunks before, phi(Q_c) S and phi(Q_c) z with one state S "
+                "(M, Dv) per chunk boundary.",
+            )
+    with checklist.check(f"work grows like L, not L * L (within {FLOP_FACTOR}x the chunkwise form's)"):
+        for index in (_CW_LONG, _CW_LONG_2):
+            case, outcome = cases[index], outcomes[index]
+            returned(outcome, what=case.name)
+            intended = _chunkwise_flops(*case.args)
+            expect_flops_at_most(
+                outcome, FLOP_FACTOR * intended, what=case.name, intended=intended,
+                hint="Update the state once per chunk from the previous one (S += phi(K_c)^T V_c): summing it again "
+                "from the start for every chunk or position costs O(L^2).",
+            )
+    with checklist.check("leaves q, k and v unchanged"):
+        for case, outcome, _ in answered(cases, outcomes, hints=_CHUNKWISE_ERROR_HINTS):
+            expect_inputs_unchanged(case, outcome, what=case.name)
+    return checklist.results
+
+
+def _chunkwise_reference(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size)
+
+
+def _chunkwise_parallel(q, k, v, chunk_size):
+    """Correct: every chunk at once (padded to whole chunks), the states before each chunk by an exclusive cumsum."""
+    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M)
+    L = q.shape[-2]
+    n = -(-L // chunk_size)
+    pad = n * chunk_size - L
+    pq, pk, pv = (F.pad(x, (0, 0, 0, pad)).unflatten(-2, (n, chunk_size)) for x in (phi_q, phi_k, v))  # (..., n, c, .)
+    scores = (pq @ pk.transpose(-2, -1)).tril()  # (..., n, c, c); padded keys have phi = 0 after F.pad
+    chunk_kv = pk.transpose(-2, -1) @ pv  # (..., n, M, Dv)
+    chunk_z = pk.sum(dim=-2)  # (..., n, M)
+    state = chunk_kv.cumsum(dim=-3) - chunk_kv  # (..., n, M, Dv), the chunks before each one
+    z = (chunk_z.cumsum(dim=-2) - chunk_z)[..., None]  # (..., n, M, 1)
+    out = (scores @ pv + pq @ state) / (scores.sum(dim=-1, keepdim=True) + pq @ z + EPS)  # (..., n, c, Dv)
+    return out.flatten(-3, -2)[..., :L, :]  # (..., L, Dv)
+
+
+def _chunkwise_no_intra_mask(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, intra="all")
+
+
+def _chunkwise_strict(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, intra="strict")
+
+
+def _chunkwise_update_first(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, update_first=True)
+
+
+def _chunkwise_no_carry(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, carry=False)
+
+
+def _chunkwise_whole_chunks(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, whole_chunks_only=True)
+
+
+def _chunkwise_no_eps(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, eps=0.0)
+
+
+def _chunkwise_unnormalised(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, normalise=False)
+
+
+def _chunkwise_relu(q, k, v, chunk_size):
+    return _chunkwise_form(q, k, v, chunk_size, feature_map=F.relu)
+
+
+def _chunkwise_in_place(q, k, v, chunk_size):
+    phi_q, phi_k = F.elu_(q).add_(1), F.elu_(k).add_(1)  # the caller's q and k overwritten
+    return _chunkwise_form(phi_q, phi_k, v, chunk_size, feature_map=lambda x: x)
+
+
+def _chunkwise_prefix_sums(q, k, v, chunk_size):
+    """Right values, task 2's form: the (L, M, Dv) prefix sums of every position at once."""
+    return _prefix_sums(q, k, v)
+
+
+def _chunkwise_cumsum_per_chunk(q, k, v, chunk_size):
+    """Right values, the library's causal form: per-position prefix sums (c, M, Dv) inside each chunk, carried over."""
+    phi_q, phi_k = _phi(q), _phi(k)  # (..., L, M)
+    carry_kv, carry_z, outputs = 0, 0, []
+    for start in range(0, q.shape[-2], chunk_size):
+        pq, pk, pv = (x[..., start:start + chunk_size, :] for x in (phi_q, phi_k, v))  # (..., c, M or Dv)
+        kv = carry_kv + (pk[..., :, :, None] * pv[..., :, None, :]).cumsum(dim=-3)  # (..., c, M, Dv)
+        z = carry_z + pk.cumsum(dim=-2)  # (..., c, M)
+        numerator = (pq[..., :, :, None] * kv).sum(dim=-2)  # (..., c, Dv)
+        outputs.append(numerator / ((pq * z).sum(dim=-1, keepdim=True) + EPS))
+        carry_kv, carry_z = kv[..., -1:, :, :], z[..., -1:, :]  # the sums up to the chunk's end
+    return torch.cat(outputs, dim=-2)  # (..., L, Dv)
+
+
+def _chunkwise_quadratic(q, k, v, chunk_size):
+    return _causal_masked_quadratic(q, k, v)
+
+
+def _chunkwise_state_from_scratch(q, k, v, chunk_size):
+    """Right values, small tensors, O(L^2) work: each position's state summed again from j = 0."""
+    return _causal_sums_from_scratch(q, k, v)
+
+
+def _chunkwise_recurrent(q, k, v, chunk_size):
+    """Correct: the recurrent form, which is the chunkwise form with chunks of one position."""
+    return _causal_recurrent(q, k, v)
+
+
+def _chunkwise_delegates(q, k, v, chunk_size):
+    import attn_course as ac
+
+    return ac.linear_attention(q, k, v, is_causal=True, chunk_size=chunk_size)
+
+
+CHUNKWISE_CAUSAL_LINEAR_ATTENTION = Task(
+    id="06.chunkwise_causal_linear_attention",
+    title="Chunkwise-parallel causal linear attention",
+    function_name="chunkwise_causal_linear_attention",
+    make_cases=_chunkwise_cases,
+    judge=_judge_chunkwise,
+    reference=_chunkwise_reference,
+    wrong={
+        "no causal mask inside the chunk": Wrong(_chunkwise_no_intra_mask, "read the whole chunk"),
+        "strict mask inside the chunk (j < t)": Wrong(_chunkwise_strict, "include its own key"),
+        "state updated before it is read": Wrong(_chunkwise_update_first, "counts twice"),
+        "state not carried between chunks": Wrong(_chunkwise_no_carry, "empty state"),
+        "assumes L is a multiple of chunk_size": Wrong(_chunkwise_whole_chunks, "last chunk be shorter"),
+        "no eps": Wrong(_chunkwise_no_eps, "add eps"),
+        "not normalised": Wrong(_chunkwise_unnormalised, "not normalised"),
+        "relu feature map": Wrong(_chunkwise_relu, "elu(x) + 1"),
+        "features computed in place": Wrong(_chunkwise_in_place, "in place", kind="contract"),
+        "task 2's prefix sums over the whole sequence": Wrong(
+            _chunkwise_prefix_sums, "per-position prefix sums", kind="algorithm"
+        ),
+        "per-position prefix sums inside each chunk": Wrong(
+            _chunkwise_cumsum_per_chunk, "per-position prefix sums", kind="algorithm"
+        ),
+        "causal mask on the quadratic form": Wrong(_chunkwise_quadratic, "never forms the (L, L)", kind="algorithm"),
+        "each position's state summed from scratch": Wrong(
+            _chunkwise_state_from_scratch, "from the start for every chunk", kind="algorithm"
+        ),
+        "calls attn_course.linear_attention(is_causal=True)": Wrong(
+            _chunkwise_delegates, "you called attn_course.linear_attention", kind="algorithm"
+        ),
+    },
+    accepted={
+        "every chunk at once, states by an exclusive cumsum over chunks": _chunkwise_parallel,
+        # The grader measures memory and work, not parallelism: the recurrent form (chunks of one
+        # position) keeps one (M, Dv) state too. Lesson 06 times why chunks are faster.
+        "recurrent form, one position at a time": _chunkwise_recurrent,
+    },
+    measure=("largest", "flops"),
+    forbidden=FORBIDDEN,
+    stretch=True,
 )

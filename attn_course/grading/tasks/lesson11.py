@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -56,7 +57,7 @@ def _repeat_shape_hint(got: torch.Tensor, x: torch.Tensor, groups: int) -> str:
     if tuple(got.shape) == (B, H, S * groups, D):
         return "You repeated along the sequence axis (dim=2); the copies belong on the head axis (dim=1)."
     if got.dim() == 1:
-        return "repeat_interleave without dim= flattens the tensor: pass dim=1."
+        return "Your result is flat (1-D): keep the four axes and put the copies on the head axis, (B, Hkv * n_rep, S, D)."
     return "The result has Hkv * n_rep heads: (B, Hkv * n_rep, S, D)."
 
 
@@ -120,12 +121,17 @@ def _repeat_delegates(x, groups):
     return repeat_kv(x, groups)
 
 
+def _repeat_interleaved(x, groups):
+    return x.repeat_interleave(groups, dim=1)
+
+
 def _repeat_tiled(x, groups):
     return x.repeat(1, groups, 1, 1)
 
 
 def _repeat_sequence_axis(x, groups):
-    return x.repeat_interleave(groups, dim=2)
+    B, H, S, D = x.shape
+    return x[:, :, :, None].expand(B, H, S, groups, D).reshape(B, H, S * groups, D)  # copies next to each position
 
 
 def _repeat_no_merge(x, groups):
@@ -133,7 +139,7 @@ def _repeat_no_merge(x, groups):
 
 
 def _repeat_flattened(x, groups):
-    return x.repeat_interleave(groups)
+    return x.reshape(-1)[:, None].expand(-1, groups).reshape(-1)  # every entry repeated, the axes lost
 
 
 def _repeat_off_by_one(x, groups):
@@ -152,133 +158,261 @@ REPEAT_KV = Task(
         "tiles with torch.repeat (0, 1, 0, 1)": Wrong(_repeat_tiled, "each head repeated n_rep times in a row"),
         "repeats along the sequence axis": Wrong(_repeat_sequence_axis, "sequence axis"),
         "expands without merging the new axis": Wrong(_repeat_no_merge, "did not merge"),
-        "repeat_interleave without dim": Wrong(_repeat_flattened, "without dim="),
+        "repeats every entry, flattening the axes": Wrong(_repeat_flattened, "flat (1-D)"),
         "head h reads (h + 1) // groups": Wrong(_repeat_off_by_one, "should be a copy of K/V head"),
         "calls attn_course.repeat_kv": Wrong(_repeat_delegates, "you called attn_course.repeat_kv", kind="algorithm"),
+        "calls x.repeat_interleave": Wrong(
+            _repeat_interleaved, "you called torch.Tensor.repeat_interleave", kind="algorithm"
+        ),
     },
-    forbidden=("attn_course.repeat_kv",),
+    # The task is "each head repeated in place": torch's repeat_interleave is that, in one call.
+    forbidden=("attn_course.repeat_kv", "torch.repeat_interleave", "torch.Tensor.repeat_interleave"),
 )
 
 
 # --- 11.decode_attention -------------------------------------------------------------------
-# The learner writes decode_attention(q, k, v): the T newest queries (B, H, T, D), which sit at
-# the LAST T of S positions, against every key and value so far (B, H, S, D), causally.
-# Equal to the last T rows of full causal attention (a bottom-right aligned mask).
+# The learner writes decode_attention(q, k, v, lengths): a left-padded batch of cached sequences.
+# Every sequence's cache has S slots; sequence b's real tokens are its LAST lengths[b] slots (the
+# padding comes first), and the T newest tokens are the last T slots. New query i of sequence b
+# may see slots S - lengths[b] .. S - T + i: a bottom-right causal mask AND the padding mask. A
+# query that is itself padding (possible when the whole prompt is passed, T > lengths[b]) sees
+# nothing: its output row must be zeros. Equal, for the real queries, to the last T rows of causal
+# attention over each sequence's real tokens. The attention itself may be anyone's (exercise 01's,
+# the course's, PyTorch's): the task is the mask, so only ready-made bottom-right masks count as
+# delegation.
+
+
+def _decode_mask(T: int, S: int, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, S), True = may attend: bottom-right causal within the last T of S slots, real slots only."""
+    slots = torch.arange(S, device=lengths.device)  # (S,)
+    causal = slots[None, :] <= torch.arange(S - T, S, device=lengths.device)[:, None]  # (T, S): query i sees 0 .. S - T + i
+    real = slots[None, :] >= (S - lengths)[:, None]  # (B, S): left padding comes first
+    return causal[None, None] & real[:, None, None, :]  # (B, 1, T, S)
 
 
 def _decode_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(1111)
 
-    def qkv(B, H, T, S, D, dtype=torch.float64):
-        return tuple(torch.randn(B, H, n, D, generator=gen, dtype=dtype) for n in (T, S, S))
+    def case(name, B, H, T, S, D, lengths, dtype=torch.float64):
+        q, k, v = (torch.randn(B, H, n, D, generator=gen).to(dtype) for n in (T, S, S))
+        return Case(name, (q, k, v, torch.tensor(lengths)))
 
     return [
-        Case("one new token: q (2, 2, 1, 8), k, v (2, 2, 6, 8), float64", qkv(2, 2, 1, 6, 8)),
-        Case("three new tokens: q (1, 3, 3, 4), k, v (1, 3, 7, 4), float64", qkv(1, 3, 3, 7, 4)),
-        Case("the prompt (T = S): q, k, v (2, 1, 5, 4), float64", qkv(2, 1, 5, 5, 4)),
-        Case("float32, two new tokens: q (1, 2, 2, 8), k, v (1, 2, 9, 8)", qkv(1, 2, 2, 9, 8, torch.float32)),
-        Case("a batch, three new tokens: q (2, 3, 3, 8), k, v (2, 3, 8, 8), float64", qkv(2, 3, 3, 8, 8)),
+        case("one new token, no padding: q (2, 2, 1, 8), k, v (2, 2, 6, 8), lengths [6, 6], float64", 2, 2, 1, 6, 8, [6, 6]),
+        case("three new tokens, left-padded: q (2, 3, 3, 4), k, v (2, 3, 7, 4), lengths [7, 4], float64",
+             2, 3, 3, 7, 4, [7, 4]),
+        case("the whole prompt (T = S), left-padded: q, k, v (2, 2, 5, 4), lengths [5, 3], float64: "
+             "two padding queries", 2, 2, 5, 5, 4, [5, 3]),
+        case("float32, two new tokens, left-padded: q (2, 2, 2, 8), k, v (2, 2, 9, 8), lengths [9, 5]",
+             2, 2, 2, 9, 8, [9, 5], torch.float32),
+        case("float16, one new token, left-padded: q (2, 2, 1, 16), k, v (2, 2, 10, 16), lengths [10, 4]",
+             2, 2, 1, 10, 16, [10, 4], torch.float16),
+        case("float16, the whole prompt (T = S), left-padded: q, k, v (2, 2, 6, 16), lengths [6, 3]: "
+             "three padding queries", 2, 2, 6, 6, 16, [6, 3], torch.float16),
     ]
 
 
-def _decode_reference(q, k, v):
-    T, S = q.shape[-2], k.shape[-2]
-    return scaled_dot_product_attention(q, k, v, causal_mask(S, device=q.device)[S - T :])  # (B, H, T, D)
+_DEC_ONE, _DEC_THREE, _DEC_PROMPT, _DEC_FLOAT32, _DEC_HALF_ONE, _DEC_HALF_PROMPT = range(6)
 
 
-def _diagnose_decode(got, q, k, v) -> str | None:
+def _decode_reference(q, k, v, lengths):
+    mask = _decode_mask(q.shape[-2], k.shape[-2], lengths.to(q.device))  # (B, 1, T, S)
+    return scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, D); padding queries: zero rows
+
+
+def _decode_expected(q, k, v, lengths):
+    """The answer, computed in float64 from the inputs as given (half precision ones included)."""
+    return _decode_reference(q.double(), k.double(), v.double(), lengths)
+
+
+def _decode_tolerance(q: torch.Tensor, expected: torch.Tensor) -> dict:
+    """float64 to rounding; float32 to 1e-5; float16 to 4 units of the output's own rounding.
+
+    Measured on these cases: float16 in float16 throughout (masked_fill with -inf, softmax, matmul), in
+    float32 and cast back, or with F.scaled_dot_product_attention: 4e-4 to 1.3e-3, about 1.3 units.
+    """
+    if q.dtype == torch.float64:
+        return {"atol": 1e-9, "rtol": 1e-7}
+    if q.dtype == torch.float16:
+        return {"atol": 4 * 2.0**-11 * max(1.0, expected.abs().max().item()), "rtol": 0.0}
+    return {"atol": 1e-5, "rtol": 1e-4}
+
+
+def _attend(q, k, v, mask):
+    return scaled_dot_product_attention(q.double(), k.double(), v.double(), mask)
+
+
+def _diagnose_decode(got, q, k, v, lengths) -> str | None:
     T, S = q.shape[-2], k.shape[-2]
+    slots = torch.arange(S)
+    real = (slots[None, :] >= (S - lengths)[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    right_padded = (slots[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S): padding at the end
+    bottom_right = slots[None, :] <= torch.arange(S - T, S)[:, None]  # (T, S)
+    top_left = slots[None, :] <= torch.arange(T)[:, None]  # (T, S)
+    got = got.double()
+    if got.isnan().any():
+        return (
+            "Your result has NaN: a query that is itself padding (the whole prompt of a left-padded sequence) has "
+            "no slot to attend to, and softmax over a row of -inf is 0 / 0. Such rows must come out as zeros: "
+            "give empty rows zero weights (ac.stable_softmax, or torch.where on the row), or use an attention "
+            "function that does (ac.scaled_dot_product_attention, F.scaled_dot_product_attention)."
+        )
     return first_match(
         got,
         [
-            (lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
-             "your causal mask is aligned top-left (like is_causal=True), so new query i sees only keys 0..i. The "
-             "new queries are the LAST T of S positions: query i sees keys 0 .. S - T + i, i.e. "
-             "causal_mask(S)[S - T:] (bottom-right aligned)."),
-            (lambda: scaled_dot_product_attention(q, k, v),
-             "you used no mask: with several new tokens, the earlier ones see the later ones. Query i of the chunk may "
-             "see keys 0 .. S - T + i (causal_mask(S)[S - T:])."),
-            (lambda: scaled_dot_product_attention(q, k[..., S - T :, :], v[..., S - T :, :], is_causal=True),
+            (lambda: _attend(q, k, v, top_left & real),
+             "your causal mask is aligned top-left (like is_causal=True), so new query i sees only slots 0..i. The "
+             "new queries are the LAST T of S slots: query i sees slots up to S - T + i (bottom-right aligned)."),
+            (lambda: _attend(q, k, v, real),
+             "you masked the padding but not the future: with several new tokens, the earlier ones see the later "
+             "ones. Query i of the new tokens may see slots up to S - T + i."),
+            (lambda: _attend(q, k, v, bottom_right[None, None]),
+             "your mask ignores lengths: the padding slots at the start of a shorter sequence get weight. Sequence b's "
+             "real slots are its last lengths[b]: slots S - lengths[b] .. S - 1."),
+            (lambda: _attend(q, k, v, bottom_right & right_padded),
+             "you put the padding at the end: this cache is LEFT-padded (so that every sequence's newest token sits "
+             "in the last slot). Sequence b's real slots are its last lengths[b]: S - lengths[b] .. S - 1."),
+            (lambda: _attend(q, k[..., S - T :, :], v[..., S - T :, :], (bottom_right & real)[..., S - T :]),
              "you attended to the new keys only: the cache holds every earlier key and value, and the new queries "
              "must see them all."),
-            (lambda: scaled_dot_product_attention(q, k, v, torch.tril(torch.ones(T, S, dtype=torch.bool), S - T - 1)),
-             "no new query sees its own position: the diagonal belongs in a causal mask (query i sees key S - T + i)."),
+            (lambda: _attend(q, k, v, (slots[None, :] <= torch.arange(S - T, S)[:, None] - 1) & real),
+             "no new query sees its own slot: the diagonal belongs in a causal mask (query i sees slot S - T + i)."),
+            (lambda: softmax_with_fill(q, k, v, bottom_right & real),
+             "the rows of padding queries should be zeros, not uniform weights: filling blocked scores with a large "
+             "negative number (-1e9, torch.finfo(dtype).min) turns a row with nothing to attend to into an average "
+             "of every slot. Fill with -inf and give empty rows zero weights."),
         ],
-        atol=1e-9,
-        rtol=1e-7,
+        atol=1e-6,
+        rtol=1e-5,
     )
+
+
+def softmax_with_fill(q, k, v, mask):
+    """A large finite fill value: fully masked rows become uniform averages instead of zeros."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
+    return torch.softmax(scores.masked_fill(~mask, torch.finfo(torch.float64).min), dim=-1) @ v
 
 
 def _judge_decode(cases, outcomes):
     checklist = Checklist()
     with checklist.check("output has shape (B, H, T, D) and the input's dtype"):
         for case, _, got in answered(cases, outcomes):
-            q, k, v = case.args
+            q, k, v, _ = case.args
             expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
             expect_dtype(got, q.dtype, what=case.name)
     for title, indices in (
-        ("one new token sees every cached key", (0,)),
-        ("several new tokens: bottom-right causal mask", (1, 4)),
-        ("the whole prompt at once equals causal attention", (2,)),
+        ("one new token: every real slot, no padding slot", (_DEC_ONE, _DEC_HALF_ONE)),
+        ("several new tokens: bottom-right causal mask and the padding mask", (_DEC_THREE, _DEC_FLOAT32)),
+        ("the whole prompt: causal, and padding queries give zero rows (no NaN)", (_DEC_PROMPT, _DEC_HALF_PROMPT)),
     ):
         with checklist.check(title):
             for index in indices:
                 case, outcome = cases[index], outcomes[index]
+                q, k, v, lengths = case.args
+                if outcome.error is not None and "without overflow" in outcome.error:
+                    raise Fail(
+                        f"{case.name}: your function raised {outcome.error}. A fill value such as -1e9 does not fit "
+                        "in float16 (its largest magnitude is 65504): fill blocked scores with float('-inf'), which "
+                        "every floating dtype holds, and give rows with nothing to attend to zero weights."
+                    )
                 got = returned(outcome, what=case.name)
-                expected = _decode_reference(*case.args)
+                expected = _decode_expected(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 hint = _diagnose_decode(got, *case.args) or ""
-                expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
-    with checklist.check("works in float32"):
-        case, outcome = cases[3], outcomes[3]
-        got = returned(outcome, what=case.name)
-        expected = _decode_reference(*(x.double() for x in case.args))
-        expect_shape(got, expected.shape, what=case.name)
-        expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-4)
-    with checklist.check("leaves q, k and v unchanged"):
+                expect_close(got.double(), expected, what=case.name, hint=hint, **_decode_tolerance(q, expected))
+    with checklist.check("leaves q, k, v and lengths unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
     return checklist.results
 
 
-def _decode_top_left(q, k, v):
-    return scaled_dot_product_attention(q, k, v, is_causal=True)
+def _scores(q, k):
+    return (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
 
 
-def _decode_no_mask(q, k, v):
-    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
-
-
-def _decode_new_keys_only(q, k, v):
-    T = q.shape[-2]
-    return scaled_dot_product_attention(q, k[..., -T:, :], v[..., -T:, :], is_causal=True)
-
-
-def _decode_strict(q, k, v):
+def _decode_top_left(q, k, v, lengths):
     T, S = q.shape[-2], k.shape[-2]
-    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T - 1)  # (T, S), own position excluded
+    real = (torch.arange(S)[None, :] >= (S - lengths)[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    return scaled_dot_product_attention(q, k, v, torch.ones(T, S, dtype=torch.bool).tril() & real)  # like is_causal
+
+
+def _decode_padding_only(q, k, v, lengths):
+    S = k.shape[-2]
+    real = (torch.arange(S)[None, :] >= (S - lengths)[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    return scaled_dot_product_attention(q, k, v, real)
+
+
+def _decode_ignores_lengths(q, k, v, lengths):
+    T, S = q.shape[-2], k.shape[-2]
+    return scaled_dot_product_attention(q, k, v, causal_mask(S, device=q.device)[S - T :])
+
+
+def _decode_right_padded(q, k, v, lengths):
+    T, S = q.shape[-2], k.shape[-2]
+    real = (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S): padding at the end
+    return scaled_dot_product_attention(q, k, v, causal_mask(S, device=q.device)[S - T :] & real)
+
+
+def _decode_new_keys_only(q, k, v, lengths):
+    T, S = q.shape[-2], k.shape[-2]
+    mask = _decode_mask(T, S, lengths)[..., S - T :]  # (B, 1, T, T)
+    return scaled_dot_product_attention(q, k[..., S - T :, :], v[..., S - T :, :], mask)
+
+
+def _decode_strict(q, k, v, lengths):
+    T, S = q.shape[-2], k.shape[-2]
+    mask = _decode_mask(T, S, lengths) & torch.ones(T, S, dtype=torch.bool).tril(S - T - 1)  # own slot excluded
     return scaled_dot_product_attention(q, k, v, mask)
 
 
-def _decode_first_rows(q, k, v):
+def _decode_nan_rows(q, k, v, lengths):
+    scores = _scores(q, k).masked_fill(~_decode_mask(q.shape[-2], k.shape[-2], lengths), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v  # a row of -inf: 0 / 0 = NaN
+
+
+def _decode_fill_minus_1e9(q, k, v, lengths):
+    scores = _scores(q, k).masked_fill(~_decode_mask(q.shape[-2], k.shape[-2], lengths), -1e9)  # raises in float16
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _decode_fill_finfo_min(q, k, v, lengths):
+    scores = _scores(q, k).masked_fill(~_decode_mask(q.shape[-2], k.shape[-2], lengths), torch.finfo(q.dtype).min)
+    return torch.softmax(scores, dim=-1) @ v  # padding queries: a uniform average instead of zeros
+
+
+def _decode_lower_right(q, k, v, lengths):
+    from torch.nn.attention.bias import causal_lower_right
+
     T, S = q.shape[-2], k.shape[-2]
-    return scaled_dot_product_attention(q, k, v, causal_mask(S)[:T])
+    causal = causal_lower_right(T, S)._materialize(q.device)  # (T, S), True = may attend
+    real = (torch.arange(S)[None, :] >= (S - lengths)[:, None])[:, None, None, :]
+    return scaled_dot_product_attention(q, k, v, causal & real)
 
 
 DECODE_ATTENTION = Task(
     id="11.decode_attention",
-    title="Attention for the newest tokens against a KV cache",
+    title="Attention for the newest tokens of a left-padded batch against its KV cache",
     function_name="decode_attention",
     make_cases=_decode_cases,
     judge=_judge_decode,
     reference=_decode_reference,
     wrong={
-        "top-left causal mask (is_causal=True)": Wrong(_decode_top_left, "bottom-right"),
-        "no mask": Wrong(_decode_no_mask, "no mask"),
+        "top-left causal mask (is_causal=True)": Wrong(_decode_top_left, "top-left"),
+        "the padding mask only": Wrong(_decode_padding_only, "not the future"),
+        "ignores lengths (no padding mask)": Wrong(_decode_ignores_lengths, "ignores lengths"),
+        "padding on the right": Wrong(_decode_right_padded, "LEFT-padded"),
         "attends to the new keys only": Wrong(_decode_new_keys_only, "new keys only"),
-        "diagonal excluded": Wrong(_decode_strict, "own position"),
-        "first T rows of the causal mask": Wrong(_decode_first_rows, "top-left"),
+        "diagonal excluded": Wrong(_decode_strict, "own slot"),
+        "softmax over a row of -inf (NaN for padding queries)": Wrong(_decode_nan_rows, "no slot to attend to"),
+        "fills with -1e9": Wrong(_decode_fill_minus_1e9, "does not fit in float16"),
+        "fills with finfo.min (uniform rows for padding queries)": Wrong(_decode_fill_finfo_min, "uniform weights"),
+        "torch's causal_lower_right": Wrong(_decode_lower_right, "you called torch.nn.attention.bias.causal_lower_right",
+                                            kind="algorithm"),
     },
+    # The task is the cache's mask: a ready-made bottom-right mask does it for the learner. Attention itself
+    # (F.scaled_dot_product_attention, the course's) is allowed: exercise 01 was about that.
+    forbidden=("torch.nn.attention.bias.causal_lower_right", "attn_course.decode_step"),
 )
 
 
@@ -612,10 +746,13 @@ def _judge_generation(cases, outcomes):
             expect_shape(got, (prompt.shape[0], steps, prompt.shape[2]), what=case.name,
                          hint="Return the generated vectors only, (B, steps, E), not the prompt.")
             expect_dtype(got, prompt.dtype, what=case.name)
+    # Generation is graded on its values AND its work: recomputing the prefix at every step gives the right
+    # values, so every check that generates more than one step also asks for the work of a cache.
     for title, indices in (
         ("the prompt step: the output at the last prompt position", (_GEN_PREFILL,)),
-        ("generation: every step rotated at its absolute position, attending to the cache", (_GEN_SMALL, _GEN_LONG)),
-        ("a one-token prompt", (_GEN_ONE_TOKEN,)),
+        ("generation with a cache: every step rotated at its absolute position, one new token projected",
+         (_GEN_SMALL, _GEN_LONG)),
+        ("a one-token prompt, with a cache", (_GEN_ONE_TOKEN,)),
     ):
         with checklist.check(title):
             for index in indices:
@@ -625,33 +762,40 @@ def _judge_generation(cases, outcomes):
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7,
                              hint=_diagnose_generation(got, *case.args) or "")
+                if case.args[2] > 1:
+                    _expect_cached_work(outcome, index, what=case.name)
     with checklist.check("each step projects only the new token (the work of cached decoding)"):
         for index in (_GEN_SMALL, _GEN_ONE_TOKEN, _GEN_LONG):
             case = cases[index]
             returned(outcomes[index], what=case.name)
-            intended = _cached_flops(index)
-            expect_flops_at_most(
-                outcomes[index], 2 * intended, what=case.name, intended=intended,
-                hint="That is the work of recomputing the prefix at every step: keep every rotated key and every value "
-                "in a cache, and at each step project, rotate and append only the new token.",
-            )
-    with checklist.check("works in float32"):
+            _expect_cached_work(outcomes[index], index, what=case.name)
+    with checklist.check("works in float32, with a cache"):
         case, outcome = cases[_GEN_FLOAT32], outcomes[_GEN_FLOAT32]
         layer, prompt, steps = case.args
         got = returned(outcome, what=case.name)
         expected = _generate_reference(layer.double(), prompt.double(), steps)
         expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-4)
+        _expect_cached_work(outcome, _GEN_FLOAT32, what=case.name)
     with checklist.check("leaves the prompt unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
     return checklist.results
 
 
+def _expect_cached_work(outcome, index: int, *, what: str) -> None:
+    intended = _cached_flops(index)
+    expect_flops_at_most(
+        outcome, 2 * intended, what=what, intended=intended,
+        hint="That is the work of recomputing the prefix at every step: keep every rotated key and every value "
+        "in a cache, and at each step project, rotate and append only the new token.",
+    )
+
+
 @lru_cache(maxsize=None)
 def _cached_flops(index: int) -> int:
     """The work of cached generation on case ``index``, counted by the same probe as the learner's.
 
-    Measured on the checked cases (0, 1, 3): honest variants (preallocated ac.KVCache, torch.cat,
+    Measured on the checked cases (0, 1, 3, 4): honest variants (preallocated ac.KVCache, torch.cat,
     only the last prompt query, the fused kernel) 0.85-1.07 times this; recomputing the prefix at
     every step 3.5-5.8 times, only its keys and values 3.0-4.8 times.
     """

@@ -461,7 +461,8 @@ def _judge_ring_step(cases, outcomes):
         ("merges into the running partial with the online softmax", (_MERGE,)),
         ("causal mask from the global positions, not the local indices", (_CAUSAL_OTHER, _CAUSAL_OWN)),
         ("the padding mask of the arriving block", (_PADDED,)),
-        ("rows with no allowed key stay finite (running=None, block in the future)", (_FUTURE,)),
+        ("rows with no allowed key: no NaN, acc 0, row_sum 0, row_max -inf (running=None, block in the future)",
+         (_FUTURE,)),
         ("4 ranks, L = 64, causal and padded: the own block, then another rank's", (_WIDE_OWN, _WIDE_OTHER)),
     ):
         with checklist.check(title):
@@ -753,7 +754,7 @@ def _judge_backward(cases, outcomes):
         compare(_BW_RECT, ("dq", "dk"))
     with checklist.check("causal blocks: the forward pass's mask, from global positions"):
         compare(_BW_CAUSAL)
-    with checklist.check("padding, and rows with no allowed key (lse = -inf) stay finite"):
+    with checklist.check("padding, and rows with no allowed key (lse = -inf): zeros, not NaN"):
         compare(_BW_PADDED)
         compare(_BW_EMPTY)
     with checklist.check("leaves its inputs unchanged"):
