@@ -249,6 +249,30 @@ def test_masked_batch_norm_equals_batch_norm_on_real_frames():
     torch.testing.assert_close(masked(x, keep), plain(x), atol=1e-12, rtol=1e-12)
 
 
+def test_masked_batch_norm_without_running_statistics_masks_in_every_mode():
+    # With track_running_stats=False, nn.BatchNorm1d normalises with the batch's statistics in
+    # evaluation mode too, so the mask must apply there as well (it once fell back to the plain
+    # BatchNorm: real frames then moved by about 2 when padding was added).
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 7, dtype=torch.float64)  # (B, C, T)
+    lengths = [7, 5, 2]
+    keep = padding_mask(lengths, 7)  # (B, T)
+    x_long = torch.cat([x, 5 + torch.randn(3, 4, 6, dtype=torch.float64)], dim=2)  # (B, C, 13): more padding
+    keep_long = padding_mask(lengths, 13)  # (B, 13)
+    real = torch.cat([x[b, :, :n] for b, n in enumerate(lengths)], dim=1)[None]  # (1, C, sum of lengths)
+    for training in (True, False):
+        masked = MaskedBatchNorm1d(4, track_running_stats=False, dtype=torch.float64).train(training)
+        plain = nn.BatchNorm1d(4, track_running_stats=False, dtype=torch.float64).train(training)
+        out, out_long = masked(x, keep), masked(x_long, keep_long)[:, :, :7]  # (B, C, T) each
+        torch.testing.assert_close(out.transpose(1, 2)[keep], out_long.transpose(1, 2)[keep], atol=1e-12, rtol=0)
+        got = torch.cat([out[b, :, :n] for b, n in enumerate(lengths)], dim=1)[None]
+        torch.testing.assert_close(got, plain(real), atol=1e-12, rtol=1e-12)
+        assert masked.running_mean is None and masked.num_batches_tracked is None
+    # The plain module does let the padding in (so the comparison above can fail).
+    plain = nn.BatchNorm1d(4, track_running_stats=False, dtype=torch.float64).eval()
+    assert (plain(x) - plain(x_long)[:, :, :7]).transpose(1, 2)[keep].abs().max() > 0.1
+
+
 def test_every_parameter_gets_a_gradient_and_nothing_is_nan():
     model = make()
     model.train()

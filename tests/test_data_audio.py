@@ -168,6 +168,29 @@ def test_press_times_are_where_the_tones_are():
         assert found == keys
 
 
+def test_margin_keeps_every_press_away_from_both_clip_ends():
+    options = {"tone_seconds": (0.06, 0.12), "gap_seconds": (0.32, 0.45), "snr_db": (30.0, 30.0)}
+    data, waves = make_dtmf_dataset(40, seed=5, presses=(2, 2), clip_seconds=(1.3, 1.5), margin_seconds=0.3,
+                                    return_waveforms=True, **options)
+    seconds = data.lengths.sub(1).mul(160).double() / SAMPLE_RATE  # (N,) lower bound on each clip's duration
+    starts = [times[0][0] for times in data.times]
+    ends = [times[-1][1] for times in data.times]
+    assert min(starts) >= 0.3 and all(end <= s - 0.3 + 160 / SAMPLE_RATE for end, s in zip(ends, seconds.tolist()))
+    # Without the margin the same settings put presses nearer the ends (so the check above can fail).
+    plain = make_dtmf_dataset(40, seed=5, presses=(2, 2), clip_seconds=(1.3, 1.5), **options)
+    assert min(times[0][0] for times in plain.times) < 0.3
+    # The margin is noise only: no tone there.
+    for wave, times in zip(waves.double(), data.times):
+        real = wave[: int(round(times[-1][1] * SAMPLE_RATE)) + int(0.3 * SAMPLE_RATE)]  # up to the clip's end
+        tone = wave[int(times[0][0] * SAMPLE_RATE) : int(times[0][1] * SAMPLE_RATE)].square().mean()
+        for edge in (real[: int(0.3 * SAMPLE_RATE)], real[-int(0.3 * SAMPLE_RATE) :]):
+            assert edge.square().mean() < 0.01 * tone  # 30 dB SNR: noise only
+    with pytest.raises(ValueError, match="margin"):
+        synthesize_clip("12", generator=torch.Generator().manual_seed(0), clip_seconds=1.0, margin_seconds=0.3, **options)
+    with pytest.raises(ValueError, match="margin_seconds must be >= 0"):
+        synthesize_clip("1", generator=torch.Generator().manual_seed(0), margin_seconds=-0.1)
+
+
 def test_lesson_task_keeps_presses_farther_apart_than_its_convolutions_see():
     data = make_dtmf_dataset(200, seed=3, **DTMF_TASK)
     gaps = [second[0] - first[1] for first, second in data.times]

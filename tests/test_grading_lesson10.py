@@ -147,6 +147,20 @@ def test_conv_module_grading_ignores_padded_frames_but_not_leaks():
     assert sum(case.args[0].shape[0] >= 2 for case in cases) >= 2
 
 
+def test_conv_module_failure_names_batch_frame_and_channel():
+    """A wrong real frame is reported as (b, t, e) of the learner's output, not as an index into the real frames."""
+    task = TASKS["10.conv_module"]
+
+    def one_wrong_frame(x, keep, weights):
+        out = task.reference(x, keep, weights).clone()
+        out[1, 3, 2] += 1.0  # a real frame of the second clip in every case with B >= 2
+        return out
+
+    result = grade_function(task, one_wrong_frame)
+    assert result.score < result.max_score
+    assert "at index (1, 3, 2)" in result.feedback, result.feedback
+
+
 def test_conv_module_reference_is_the_librarys_module():
     task = TASKS["10.conv_module"]
     for case in task.make_cases():

@@ -89,6 +89,7 @@ def synthesize_clip(
     gap_seconds: tuple[float, float] = (0.04, 0.12),
     level_db: tuple[float, float] = (-20.0, 0.0),
     snr_db: tuple[float, float] = (0.0, 20.0),
+    margin_seconds: float = 0.0,
     dtype: torch.dtype = torch.float32,
     return_times: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[tuple[float, float], ...]]:
@@ -97,11 +98,17 @@ def synthesize_clip(
     Every duration, the start time, the level and the SNR are drawn uniformly from their
     ranges with ``generator``. Each tone's level also varies by up to +-3 dB. The SNR
     compares the power of the tones (while sounding) to the power of the white noise.
-    With ``return_times`` also returns each press's ``(start, end)`` in seconds.
+    The presses start at least ``margin_seconds`` after the clip starts and end at least
+    ``margin_seconds`` before it ends (noise only there); the first press starts uniformly
+    in the slack that leaves. With ``return_times`` also returns each press's ``(start, end)``
+    in seconds.
     """
     if not keys:
         raise ValueError("keys must hold at least one key")
+    if not margin_seconds >= 0:
+        raise ValueError(f"margin_seconds must be >= 0, got {margin_seconds}")
     num_samples = int(round(clip_seconds * sample_rate))
+    margin = int(math.ceil(margin_seconds * sample_rate))
 
     def uniform(low: float, high: float) -> float:
         return low + (high - low) * torch.rand((), generator=generator, dtype=torch.float64).item()
@@ -109,12 +116,12 @@ def synthesize_clip(
     tones = [int(uniform(*tone_seconds) * sample_rate) for _ in keys]
     gaps = [int(uniform(*gap_seconds) * sample_rate) for _ in keys[1:]]
     busy = sum(tones) + sum(gaps)
-    if busy > num_samples:
+    if busy + 2 * margin > num_samples:
         raise ValueError(
-            f"{len(keys)} presses need up to {busy} samples but the clip has {num_samples}: "
-            "use a longer clip_seconds or shorter tone_seconds / gap_seconds"
+            f"{len(keys)} presses need up to {busy} samples, plus {margin} of margin at each end, but the clip "
+            f"has {num_samples}: use a longer clip_seconds or shorter tone_seconds / gap_seconds / margin_seconds"
         )
-    start = int(uniform(0, num_samples - busy))
+    start = margin + int(uniform(0, num_samples - busy - 2 * margin))
     level = 10 ** (uniform(*level_db) / 20)  # peak amplitude of each sine
     clip = torch.zeros(num_samples, dtype=torch.float64)
     position = start

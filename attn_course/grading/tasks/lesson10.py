@@ -92,6 +92,12 @@ def _shift_pad_right(scores):
     return padded[..., 1:, :].reshape(*batch, L, 2 * L - 1)[..., :L]
 
 
+def _shift_wrong_rows_kept(scores):
+    *batch, L, width = scores.shape
+    padded = F.pad(scores, (1, 0)).reshape(*batch, 2 * L, L)  # (..., 2L, L)
+    return padded[..., :-1, :].reshape(*batch, L, 2 * L - 1)[..., :L]  # drops the last row instead of the first
+
+
 def _shift_selection_tensor(scores):
     """Right values, wrong algorithm: a one-hot (L, L, 2L-1) tensor picks each (i, j)'s column."""
     L, width = scores.shape[-2:]
@@ -133,6 +139,9 @@ def _diagnose_shift(got, scores) -> str:
             (lambda: _shift_pad_right(scores),
              "the zero column goes in front (F.pad(scores, (1, 0))), not at the end: with it at the end the rows "
              "slide the wrong way after the reshape."),
+            (lambda: _shift_wrong_rows_kept(scores),
+             "off by one row: after padding and viewing the scores as (2L, L), drop the FIRST row "
+             "(padded[..., 1:, :]), not the last; then view as (L, 2L - 1) and keep the first L columns."),
         ],
         atol=0,
         rtol=0,
@@ -193,6 +202,7 @@ REL_SHIFT = Task(
         "row i shifted by i": Wrong(_shift_by_row, "shift it by L - 1 - i"),
         "last L columns for every row": Wrong(_shift_last_columns, "depend on the row"),
         "zero column padded at the end": Wrong(_shift_pad_right, "goes in front"),
+        "(2L, L) view: last row dropped instead of the first": Wrong(_shift_wrong_rows_kept, "Off by one row"),
         "one-hot (L, L, 2L-1) selection tensor": Wrong(_shift_selection_tensor, "grows like L^3", kind="algorithm"),
         "calls attn_course's rel_shift": Wrong(_shift_calls_the_library, "you called", kind="algorithm"),
         "float32 output for float64 scores": Wrong(_shift_float32_loop, "dtype", kind="contract"),
@@ -239,13 +249,15 @@ def _conv_cases() -> list[Case]:
 
 
 def _conv_variant(x, keep, w, *, zero_padding=True, glu="ok", activation=F.silu, norm=True, bn_first=True):
-    """The convolution module with one classic mistake switched on."""
+    """The convolution module with one classic mistake switched on (``zero_padding``: True, False or "input")."""
     eps = 1e-5
+    if zero_padding == "input":  # zero the padded frames of x instead of those entering the depthwise conv
+        x = x.masked_fill(~keep[:, :, None], 0.0)  # (B, T, E)
     y = F.layer_norm(x, x.shape[-1:], w["norm.weight"], w["norm.bias"], eps) if norm else x  # (B, T, E)
     y = F.conv1d(y.transpose(1, 2), w["pointwise1.weight"], w["pointwise1.bias"])  # (B, 2E, T)
     a, b = y.chunk(2, dim=1)  # (B, E, T) each
     y = a * torch.sigmoid(b) if glu == "ok" else b * torch.sigmoid(a)  # (B, E, T)
-    if zero_padding:
+    if zero_padding is True:
         y = y.masked_fill(~keep[:, None, :], 0.0)  # (B, E, T)
     K = w["depthwise.weight"].shape[-1]
     y = F.conv1d(y, w["depthwise.weight"], w["depthwise.bias"], padding=K // 2, groups=y.shape[1])  # (B, E, T)
@@ -275,6 +287,10 @@ def _conv_reference(x, keep, weights):
 
 def _conv_no_zeroing(x, keep, w):
     return _conv_variant(x, keep, w, zero_padding=False)
+
+
+def _conv_zeroed_at_the_input(x, keep, w):
+    return _conv_variant(x, keep, w, zero_padding="input")
 
 
 def _conv_glu_swapped(x, keep, w):
@@ -331,6 +347,10 @@ def _diagnose_conv(got, x, keep, w) -> str | None:
             (variant(zero_padding=False),
              "padding leaks into real frames: the depthwise convolution near the end of a clip reads the padded "
              "frames. Zero them (masked_fill with ~keep) right before the depthwise convolution."),
+            (variant(zero_padding="input"),
+             "you zeroed the padded frames of x, at the input: LayerNorm, the pointwise convolution and the GLU "
+             "turn a zero frame into a non-zero one (their biases), which the depthwise convolution then reads "
+             "next to the real frames. Zero the padded frames right before the depthwise convolution instead."),
             (variant(glu="swapped"),
              "your GLU gates the wrong half: GLU(a, b) = a * sigmoid(b) with a the FIRST E channels (F.glu(y, dim=1))."),
             (variant(activation=F.relu),
@@ -373,8 +393,10 @@ def _judge_conv(cases, outcomes):
                 ))
                 expected = _conv_expected(x, keep, weights)
                 expect_shape(got, expected.shape, what=case.name)
-                expect_close(got[keep], expected[keep], what=f"{case.name} (real frames)", atol=1e-9, rtol=1e-7,
-                             hint=_diagnose_conv(got[keep], x, keep, weights) or "")
+                # Padded frames are free: take the expected value there, so a failure names (b, t, e).
+                real = keep[:, :, None]  # (B, T, 1)
+                expect_close(torch.where(real, got, expected), expected, what=f"{case.name} (real frames)", atol=1e-9,
+                             rtol=1e-7, hint=_diagnose_conv(got[keep], x, keep, weights) or "")
     with checklist.check("leaves x, keep and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             _expect_unchanged(case, outcome, what=case.name)
@@ -390,6 +412,8 @@ CONV_MODULE = Task(
     reference=_conv_reference,
     wrong={
         "padding not zeroed before the depthwise conv": Wrong(_conv_no_zeroing, "leaks into real frames"),
+        "padding zeroed at the input, as WeNet does (GLU biases leak)": Wrong(
+            _conv_zeroed_at_the_input, "zeroed the padded frames of x"),
         "GLU gates the wrong half": Wrong(_conv_glu_swapped, "wrong half"),
         "ReLU instead of Swish": Wrong(_conv_relu, "Swish"),
         "no LayerNorm": Wrong(_conv_no_layernorm, "LayerNorm"),
@@ -443,6 +467,8 @@ def _stream_step(chunk, cache, w, *, use_cache=True, centred=False, flip=False, 
         kept = history[:, history.shape[1] - (K - 1) :]  # (B, K-1, E)
     elif new_cache == "first":
         kept = history[:, : K - 1]
+    elif new_cache == "zeros":  # the last K-1 of [zeros, this chunk]: right unless a chunk is shorter than K-1
+        kept = torch.cat((torch.zeros_like(cache), glu), dim=1)[:, history.shape[1] - (K - 1) :]
     elif new_cache == "chunk":
         kept = glu[:, max(glu.shape[1] - (K - 1), 0) :]  # only what this chunk brought
     elif new_cache == "raw":
@@ -522,6 +548,10 @@ def _cache_hint(got_cache, chunk, cache, w) -> str:
             (lambda: _stream_step(chunk, cache, w, new_cache="first")[1],
              "your new cache holds the oldest K - 1 frames; it must hold the newest: the last K - 1 frames of "
              "[cache, this chunk's frames]."),
+            (lambda: _stream_step(chunk, cache, w, new_cache="zeros")[1],
+             "your new cache forgets the old one: when a chunk is shorter than K - 1, the newest frames of the old "
+             "cache must stay in the new one (the last K - 1 of [cache, this chunk's frames], not of [zeros, "
+             "this chunk's frames]). Check your step end to end: feed it its own new cache, chunk after chunk."),
             (lambda: _stream_step(chunk, cache, w, new_cache="raw")[1],
              "your new cache holds the chunk's frames as they came in; it must hold them as they enter the "
              "depthwise convolution (after LayerNorm, pointwise conv and GLU), so they are not computed twice."),
@@ -607,6 +637,10 @@ def _stream_cache_from_chunk_only(chunk, cache, w):
     return _stream_step(chunk, cache, w, new_cache="chunk")
 
 
+def _stream_cache_forgets_old_frames(chunk, cache, w):
+    return _stream_step(chunk, cache, w, new_cache="zeros")
+
+
 def _stream_cache_raw_frames(chunk, cache, w):
     return _stream_step(chunk, cache, w, new_cache="raw")
 
@@ -634,6 +668,8 @@ STREAMING_CONV = Task(
         "kernel flipped": Wrong(_stream_flipped_kernel, "cross-correlation"),
         "new cache = the oldest K - 1 frames": Wrong(_stream_cache_oldest, "must hold the newest"),
         "new cache from this chunk only": Wrong(_stream_cache_from_chunk_only, "keeps the newest of the old"),
+        "new cache = last K - 1 of [zeros, chunk] (old cache forgotten)": Wrong(_stream_cache_forgets_old_frames,
+                                                                               "forgets the old one"),
         "cache holds the frames before the LayerNorm": Wrong(_stream_cache_raw_frames, "not computed twice"),
         "cache grows with the stream": Wrong(_stream_cache_grows, "grows without end"),
         "cache updated in place": Wrong(_stream_cache_updated_in_place, "in place", kind="contract"),
