@@ -124,19 +124,17 @@ class ConformerConfig:
     def dtmf(cls) -> ConformerConfig:
         """The lesson-10 model for the DTMF "last key" task (``attn_course.data.audio.DTMF_TASK``).
 
-        Input: 24 log-mel bands every 20 ms, clips of 0.8-1.2 s (41-61 frames, 9-14 after
+        Input: 24 log-mel bands every 20 ms, clips of 1.3-1.5 s (66-76 frames, 15-18 after
         subsampling). E = 48, one Conformer block of 4 heads, feed-forward width 2E, depthwise
         kernel 3, no dropout (none was needed to reach the accuracy below, although the same 480
-        clips are seen for 8 epochs): about 42 k parameters, so that lesson 10 can train twelve of
+        clips are seen for 8 epochs): about 42 k parameters, so that lesson 10 can train a dozen of
         them on a laptop CPU. With kernel 3 the convolutions see 0.31 s of audio at once, less
-        than the 0.32 s between two presses, so no convolution window holds both presses; but the
+        than the 0.32 s between two presses, so no convolution window holds both presses. The
         first and last frames' windows also see the clip's ends (the depthwise convolution's zero
-        padding), so a press near an end can be placed without attention
-        (``synthesize_clip(margin_seconds=...)`` keeps presses away from the ends). Chosen on
-        validation accuracy (not on the test set):
-        trained with ``attn_course.training.fit(..., **DTMF_TRAINING)`` on 480 clips it reached
-        at least 96% validation accuracy on each of 10 seeds; lesson 10 measures it, its
-        ablations and their spread on your machine.
+        padding), which would let a press near an end be placed without attention: the task's
+        ``margin_seconds=0.3`` keeps every press out of those windows (they reach 0.22 s into
+        the clip). Chosen on validation accuracy (not on the test set); lesson 10 measures it,
+        its ablations and their spread over three seeds on your machine.
         """
         return cls(
             n_mels=24,

@@ -142,6 +142,35 @@ def test_lesson_preset_convolutions_see_less_than_the_gap_between_presses():
     assert (len(reached) - 1) * hop + window < DTMF_TASK["gap_seconds"][0]
 
 
+def test_lesson_preset_edge_frames_see_no_press_of_the_lesson_task():
+    """The first block frame's depthwise window (which also sees the zero padding before the clip) is
+    measured on the preset's modules: the input frames that can change it must end before the task's
+    margin, so a press never lies inside it (the last frame is the mirror image)."""
+    from attn_course.data.audio import DTMF_TASK
+
+    config = ConformerConfig.dtmf()
+    torch.manual_seed(0)
+    encoder = ConformerEncoder(config, dtype=torch.float64).eval()
+    convolution = encoder.blocks[0].convolution
+    x = torch.randn(1, 76, config.n_mels, dtype=torch.float64)
+
+    def conv_out(features):  # subsampling -> projection -> the block's convolution module, block frame 0
+        with torch.no_grad():
+            return convolution(encoder.input_projection(encoder.subsampling(features)))[0, 0]
+
+    base = conv_out(x)
+    reached = []
+    for t in range(30):
+        nudged = x.clone()
+        nudged[0, t] += 10 * torch.randn(config.n_mels, dtype=torch.float64)
+        if not torch.allclose(conv_out(nudged), base, atol=0, rtol=0):
+            reached.append(t)
+    assert reached == list(range(11)), reached  # 7 + 4 (K // 2) input frames
+    hop, window = 160 / 8000, 256 / 8000
+    reach_seconds = reached[-1] * hop + window / 2  # centred frames: frame t covers t * hop +- window / 2
+    assert reach_seconds < DTMF_TASK["margin_seconds"], reach_seconds  # 0.216 s < 0.3 s
+
+
 def test_attention_uses_relative_positions_by_default():
     block = ConformerBlock(SMALL)
     assert isinstance(block.attention.attention, RelativePositionMultiHeadAttention)

@@ -195,7 +195,11 @@ def test_lesson_task_keeps_presses_farther_apart_than_its_convolutions_see():
     data = make_dtmf_dataset(200, seed=3, **DTMF_TASK)
     gaps = [second[0] - first[1] for first, second in data.times]
     assert min(gaps) >= 0.32 and max(gaps) <= 0.45 + 1e-3
-    assert data.features.shape[1] == 61 and 41 <= data.lengths.min() and data.lengths.max() <= 61
+    assert data.features.shape[1] == 76 and 66 <= data.lengths.min() and data.lengths.max() <= 76
+    # Every press at least margin_seconds from both ends of its clip (lengths bound the clip's duration).
+    seconds = data.lengths.sub(1).mul(160).double() / SAMPLE_RATE  # (N,) each clip's real frames end here
+    assert DTMF_TASK["margin_seconds"] == 0.3 and min(times[0][0] for times in data.times) >= 0.3
+    assert all(times[-1][1] <= s - 0.3 + 160 / SAMPLE_RATE for times, s in zip(data.times, seconds.tolist()))
     assert all(len(keys) == 2 for keys in data.sequences)
     with pytest.raises(ValueError, match="clip_seconds"):
         make_dtmf_dataset(2, clip_seconds=(1.2, 0.8))
@@ -203,14 +207,14 @@ def test_lesson_task_keeps_presses_farther_apart_than_its_convolutions_see():
 
 def test_split_is_standardised_with_training_statistics_over_real_frames():
     split = make_dtmf_split(num_train=40, num_val=10, num_test=20, seed=0, **DTMF_TASK)
-    real = torch.arange(61)[None, :] < split.train.lengths[:, None]  # (N, T)
+    real = torch.arange(76)[None, :] < split.train.lengths[:, None]  # (N, T)
     assert abs(split.train.features[real].mean().item()) < 1e-4
     assert abs(split.train.features[real].std().item() - 1) < 1e-4
     for part in (split.train, split.val, split.test):
-        keep = torch.arange(61)[None, :] < part.lengths[:, None]
+        keep = torch.arange(76)[None, :] < part.lengths[:, None]
         assert (part.features[~keep] == 0).all()
     assert len({split.train.sequences[:10], split.val.sequences, split.test.sequences[:10]}) == 3
-    assert split.test.features.shape == (20, 61, 24) and split.val.features.shape == (10, 61, 24)
+    assert split.test.features.shape == (20, 76, 24) and split.val.features.shape == (10, 76, 24)
     fixed = make_dtmf_split(num_train=40, num_val=5, num_test=20, seed=0)
     assert abs(fixed.train.features.mean().item()) < 1e-4 and fixed.test.features.shape == (20, 51, 24)
 

@@ -18,8 +18,9 @@ turns waveforms into log-mel frames with ``torch.stft`` and a mel filterbank bui
 The "last key" task (:func:`make_dtmf_dataset`): each clip holds a few presses of the 12 keys
 ``1-9 * 0 #``; the label is the key pressed **last**. Which key is sounding at a given moment
 shows in a single frame; which one came last is a question of order. Lesson 10 uses
-:data:`DTMF_TASK`: two presses at least 0.32 s apart in clips of 0.8-1.2 s, padded to 1.2 s, so
-that a model has to relate frames farther apart than its convolutions see.
+:data:`DTMF_TASK`: two presses at least 0.32 s apart in clips of 1.3-1.5 s, padded to 1.5 s, so
+that a model has to relate frames farther apart than its convolutions see, with every press at
+least 0.3 s from both ends of its clip, so that the zeros past the ends tell nothing about order.
 
 Taught in lesson 10 (Conformer).
 """
@@ -232,12 +233,15 @@ class DTMFDataset:
 
 #: Keyword arguments of :func:`make_dtmf_dataset` / :func:`make_dtmf_split` for lesson 10's task:
 #: two presses of 60-120 ms, 0.32-0.45 s apart (more than the 0.31 s of audio that lesson 10's
-#: convolutions see at once), clips of 0.8-1.2 s padded to 1.2 s (61 frames), SNR 10-30 dB.
+#: convolutions see at once), clips of 1.3-1.5 s padded to 1.5 s (76 frames), every press at least
+#: 0.3 s from both ends of its clip (the first and last frames' convolution windows, which also see
+#: the zeros past the ends, reach 0.22 s into the clip: they hold no press), SNR 10-30 dB.
 DTMF_TASK: dict[str, object] = {
     "presses": (2, 2),
-    "clip_seconds": (0.8, 1.2),
+    "clip_seconds": (1.3, 1.5),
     "tone_seconds": (0.06, 0.12),
     "gap_seconds": (0.32, 0.45),
+    "margin_seconds": 0.3,
     "snr_db": (10.0, 30.0),
 }
 
