@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import html
+import os
 import re
 import time
 from pathlib import Path
@@ -90,8 +91,14 @@ def make_exercises(root: Path | None = None) -> list[Path]:
 
 
 def _execute(path: Path, *, timeout: int) -> tuple[nbformat.NotebookNode, float]:
-    """Run one notebook top to bottom in a fresh kernel (cwd = its folder); return it and the wall time in s."""
+    """Run one notebook top to bottom in a fresh kernel (cwd = its folder); return it and the wall time in s.
+
+    The kernel runs with strict claims (``ATTN_COURSE_STRICT_CLAIMS=1``): a claim that does not
+    hold stops the regeneration instead of storing a ✗ line.
+    """
     from nbclient import NotebookClient
+
+    from .claims import STRICT_ENV
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
@@ -103,7 +110,15 @@ def _execute(path: Path, *, timeout: int) -> tuple[nbformat.NotebookNode, float]
         allow_error_names=["NotImplementedError"] if path.parent.name == "exercises" else [],
     )
     start = time.perf_counter()
-    client.execute()  # starts the kernel, runs every cell, shuts the kernel down
+    saved = os.environ.get(STRICT_ENV)
+    os.environ[STRICT_ENV] = "1"  # the kernel inherits this process's environment
+    try:
+        client.execute()  # starts the kernel, runs every cell, shuts the kernel down
+    finally:
+        if saved is None:
+            del os.environ[STRICT_ENV]
+        else:
+            os.environ[STRICT_ENV] = saved
     return nb, time.perf_counter() - start
 
 
