@@ -125,8 +125,9 @@ def with_causal(
 def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Turn a boolean mask (True = may attend) into an additive bias of ``dtype``.
 
-    Allowed positions get 0 and blocked positions get ``-inf``. ``-inf`` is exact in every
-    floating dtype (unlike ``-1e9``, which does not fit in float16), and
+    Allowed positions get 0 and blocked positions get ``-inf``. ``-inf`` is exact in float16,
+    bfloat16, float32 and float64 (unlike ``-1e9``, which does not fit in float16; float8
+    ``e4m3fn`` has no infinity, so mask in the compute dtype, as lesson 03 shows), and
     ``softmax(score + bias)`` gives exactly 0 weight to blocked keys. A row with *no*
     allowed key becomes all ``-inf``; :func:`attn_course.scaled_dot_product_attention`
     detects such rows and returns zeros for them instead of NaN.
