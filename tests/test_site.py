@@ -158,14 +158,27 @@ def visits(site, server, browser):
     page.route("**/*", off_host)
     page.on("console", lambda m: m.type == "error" and problems.append(f"{current['url']}: console error: {m.text}"))
     page.on("pageerror", lambda e: problems.append(f"{current['url']}: uncaught error: {e}"))
-    page.on("requestfailed", lambda r: problems.append(f"{current['url']}: failed request {r.url}: {r.failure}"))
+    pending = set()
+    page.on("request", lambda r: pending.add(r.url))
+    page.on("requestfinished", lambda r: pending.discard(r.url))
+
+    def failed(request):
+        pending.discard(request.url)
+        problems.append(f"{current['url']}: failed request {request.url}: {request.failure}")
+
+    page.on("requestfailed", failed)
     page.on("response", lambda r: r.status != 200 and problems.append(f"{current['url']}: HTTP {r.status} for {r.url}"))
     for rel in _pages(site):
         current["url"] = rel
         response = page.goto(server + rel, wait_until="load")
         assert response is not None and response.status == 200, f"{rel}: HTTP {response and response.status}"
         report[rel] = page.evaluate(INSPECT)
-        page.wait_for_load_state("networkidle")  # MathJax's fonts, before the next page cancels them
+        # MathJax's fonts finish loading before the next page would cancel them.
+        for _ in range(1200):
+            if not pending:
+                break
+            page.wait_for_timeout(50)
+        assert not pending, f"{rel}: requests still open after 60 s: {sorted(pending)}"
     page.close()
     return report, problems
 
