@@ -11,7 +11,8 @@ author = "the attn-course authors"
 copyright = "the attn-course authors; code MIT, lessons CC BY 4.0"
 
 # The library's docstrings are Google style ("Args:", "Attributes:"): napoleon reads them.
-extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax"]
+# githubpages writes .nojekyll, so GitHub Pages serves the underscore folders (_static, _images) as they are.
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax", "sphinx.ext.githubpages"]
 napoleon_use_ivar = True  # a dataclass's "Attributes:" as fields of its own entry, not as duplicates
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 
