@@ -26,7 +26,7 @@ PINNED := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) ATTN_COURSE_THRE
 # and the hardware check disagree; a real AVX2 CPU takes another path), which is not the library's.
 OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
-.PHONY: setup lab test regenerate runtimes exercises bench clean
+.PHONY: setup lab test site site-deps regenerate runtimes exercises bench clean
 
 setup: $(STAMP)
 
@@ -41,12 +41,29 @@ $(STAMP): pyproject.toml
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=. $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_welcome.ipynb
 
-# Both parts always run; the exit status is the first failure's.
-test: $(STAMP)
+# Both parts always run; the exit status is the first failure's. tests/test_site.py builds the web
+# book itself, so the site's tools come first.
+test: $(STAMP) site-deps
 	$(PINNED) $(BIN)/python -m pytest tests $(PYTEST_ARGS); library=$$?; \
 	$(PINNED) $(OTHER_KERNELS) $(BIN)/python -m pytest notebooks solutions \
 		--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); notebooks=$$?; \
 	if [ $$library -ne 0 ]; then exit $$library; fi; exit $$notebooks
+
+# The course as a static web book in build/site/ (open build/site/index.html), from the stored
+# outputs: nothing is executed. The `site` extra is Sphinx + MyST-NB + Furo; MathJax comes from
+# the npm package pinned in docs/package-lock.json and is served by the site itself.
+SITE_STAMP := $(VENV)/.site-installed
+site-deps: $(SITE_STAMP) docs/node_modules/.package-lock.json
+
+$(SITE_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -qq "$(TORCH)" -e '.[dev,lab,site]'
+	touch $(SITE_STAMP)
+
+docs/node_modules/.package-lock.json: docs/package.json docs/package-lock.json
+	npm ci --prefix docs --no-audit --no-fund --loglevel=error
+
+site: site-deps
+	$(BIN)/python docs/build_site.py
 
 regenerate: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY -u MKL_ENABLE_INSTRUCTIONS $(PINNED) $(BIN)/attn-course regenerate
@@ -63,4 +80,4 @@ bench: $(STAMP)
 	$(BIN)/attn-course bench mha
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info docs/node_modules

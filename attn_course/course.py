@@ -7,6 +7,7 @@ checks every notebook in ``notebooks/``, ``solutions/`` and ``exercises/`` agree
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ __all__ = [
     "colab_url",
     "colab_badge",
     "setup_cell_source",
+    "sync_headers",
     "project_root",
     "Runtimes",
     "RUNTIMES_FILE",
@@ -31,6 +33,10 @@ __all__ = [
     "COURSE_MAP_HEADING",
 ]
 
+# The repository's address, in this one place: the Colab badges and the setup cell of every
+# notebook, and the web book's "Open in Colab" links, are made from it. A fork changes REPO_SLUG
+# (and BRANCH if it publishes another), then runs `python -m attn_course.course` to rewrite the
+# badges and setup cells; tests/test_notebooks.py fails until every notebook agrees.
 REPO_SLUG = "attn-course/attn-course"
 REPO_URL = f"https://github.com/{REPO_SLUG}"
 BRANCH = "main"
@@ -94,6 +100,44 @@ def setup_cell_source() -> str:
         "\n"
         "    output.enable_custom_widget_manager()"
     )
+
+
+_BADGE = re.compile(r"\[!\[Open In Colab\]\([^)]*\)\]\(https://colab\.research\.google\.com/github/[^)]*\)")
+
+
+def sync_headers(root: Path | None = None) -> list[Path]:
+    """Rewrite the Colab badge and the setup cell of every notebook from this module; return those changed.
+
+    Only the badge in the first cell and the whole second cell are touched (and the
+    ``repository-code`` line of ``CITATION.cff``), so a fork that edits ``REPO_SLUG`` or ``BRANCH``
+    gets every notebook in ``notebooks/``, ``solutions/`` and ``exercises/`` pointing at itself
+    without re-running anything.
+    """
+    import nbformat
+
+    root = Path(root) if root is not None else project_root()
+    changed = []
+    for folder in ("notebooks", "solutions", "exercises"):
+        for path in sorted((root / folder).glob("*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            title, setup = nb.cells[0], nb.cells[1]
+            if title.cell_type != "markdown" or not _BADGE.search(title.source) or setup.cell_type != "code":
+                raise ValueError(f"{path}: expected a title cell with a Colab badge, then the setup cell")
+            badge = colab_badge(folder, path.name)
+            new_title = _BADGE.sub(lambda _: badge, title.source, count=1)
+            if new_title == title.source and setup.source == setup_cell_source():
+                continue
+            title.source, setup.source = new_title, setup_cell_source()
+            path.write_text(nbformat.writes(nb) + "\n")
+            changed.append(path)
+    citation = root / "CITATION.cff"  # GitHub's "Cite this repository" names the code's address too
+    if citation.exists():
+        text = citation.read_text()
+        new_text = re.sub(r'^repository-code: ".*"$', f'repository-code: "https://github.com/{REPO_SLUG}"', text, flags=re.M)
+        if new_text != text:
+            citation.write_text(new_text)
+            changed.append(citation)
+    return changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,3 +222,8 @@ def course_map_markdown(runtimes: Runtimes) -> str:
             f"| {lesson.number} | {lesson_link} | {runtime(f'notebooks/{lesson.filename}')} | {exercise_link} | {solved} |"
         )
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    for changed_path in sync_headers():
+        print(f"rewrote {changed_path.relative_to(project_root())}")

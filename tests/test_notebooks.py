@@ -208,3 +208,48 @@ def test_no_cell_relies_on_the_raises_exception_tag(path):
         f"{_rel(path)}: cells {sorted(set(tagged + errors))} stop on an error; wrap the failing line in "
         "`with ac.shows_error(TheError):` so the notebook runs to the end everywhere"
     )
+
+
+def test_sync_headers_changes_nothing_here_and_points_a_fork_at_itself(tmp_path, monkeypatch):
+    """`python -m attn_course.course` rewrites badges and setup cells from course.py, and only them."""
+    from attn_course import course
+
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+        for path in sorted((ROOT / folder).glob("*.ipynb"))[:2]:
+            (tmp_path / folder / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "CITATION.cff").write_bytes((ROOT / "CITATION.cff").read_bytes())
+    originals = {p: p.read_bytes() for p in tmp_path.rglob("*.*")}
+    assert course.sync_headers(tmp_path) == [], "a notebook's header disagrees with attn_course/course.py"
+    assert {p: p.read_bytes() for p in originals} == originals
+
+    fork = "someone/attn-course-fork"
+    monkeypatch.setattr(course, "REPO_SLUG", fork)
+    monkeypatch.setattr(course, "INSTALL_SOURCE", f"attn-course @ git+https://github.com/{fork}.git@main")
+    assert sorted(course.sync_headers(tmp_path)) == sorted(originals)
+    assert f'repository-code: "https://github.com/{fork}"' in (tmp_path / "CITATION.cff").read_text()
+    for path in originals:
+        if path.suffix != ".ipynb":
+            continue
+        nb = nbformat.read(path, as_version=4)
+        assert f"colab.research.google.com/github/{fork}/blob/main/{path.parent.name}/{path.name}" in nb.cells[0].source
+        assert f"git+https://github.com/{fork}.git" in nb.cells[1].source
+        assert "attn-course/attn-course" not in nb.cells[0].source + nb.cells[1].source
+    monkeypatch.undo()
+    course.sync_headers(tmp_path)  # back to this repository: byte for byte what was there
+    assert {p: p.read_bytes() for p in originals} == originals
+
+
+def test_the_repository_address_is_written_only_in_course_py():
+    """Badges, setup cells (above) and the web book's Colab links (docs/build_site.py, checked page by
+    page in tests/test_site.py) are made from attn_course/course.py; nothing else spells the address."""
+    from attn_course.course import REPO_SLUG, REPO_URL
+
+    others = [ROOT / "README.md", ROOT / "Makefile", *sorted((ROOT / "docs").glob("*.*")), *sorted((ROOT / ".github").rglob("*.yml"))]
+    for path in others:
+        text = path.read_text()
+        assert REPO_SLUG not in text and "colab.research.google.com/github/" not in text, (
+            f"{_rel(path)} spells the repository's address: take it from attn_course/course.py"
+        )
+    citation = (ROOT / "CITATION.cff").read_text()
+    assert f'repository-code: "{REPO_URL}"' in citation, "CITATION.cff's repository-code must be course.py's REPO_URL"
