@@ -68,10 +68,12 @@ site: site-deps
 regenerate: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY -u MKL_ENABLE_INSTRUCTIONS $(PINNED) $(BIN)/attn-course regenerate
 
-# Times every lesson and solution on this machine; rewrites notebooks/runtimes.json and 00's course map.
+# Times every lesson and solution on this machine; rewrites notebooks/runtimes.json, 00's course map
+# and every header's "Time to run".
 runtimes: $(STAMP)
 	$(PINNED) $(BIN)/attn-course runtimes
 	$(PINNED) $(BIN)/attn-course regenerate notebooks/00_welcome.ipynb  # its checked cell reads the new file
+	$(BIN)/attn-course make-exercises  # the solutions' headers changed
 
 exercises: $(STAMP)
 	$(BIN)/attn-course make-exercises

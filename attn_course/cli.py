@@ -162,7 +162,7 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
 
 def _cmd_runtimes(args: argparse.Namespace) -> int:
     from .course import RUNTIMES_FILE, load_runtimes, measured_runtimes, project_root, save_runtimes
-    from .notebooks import measure_runtimes, write_course_map
+    from .notebooks import measure_runtimes, write_course_map, write_header_times
 
     root = project_root()
     paths = _notebook_paths(args.paths)
@@ -176,6 +176,8 @@ def _cmd_runtimes(args: argparse.Namespace) -> int:
     runtimes = measured_runtimes(seconds)
     print(f"wrote {save_runtimes(runtimes, root / RUNTIMES_FILE)}")
     print(f"updated the course map in {write_course_map(runtimes, root=root)}")
+    for path in write_header_times(runtimes, root=root):
+        print(f"updated the time to run in {path.relative_to(root).as_posix()}")
     return 0
 
 

@@ -10,6 +10,8 @@
   returns the wall time of each run (kernel start included).
 * ``write_course_map(runtimes)``: rewrites the course-map cell of ``00_welcome`` from measured
   runtimes (the cell's text is ``attn_course.course.course_map_markdown``).
+* ``write_header_times(runtimes)``: rewrites each timed notebook's "**Time to run**: about N s"
+  from the same measurements, so headers, the course map and ``runtimes.json`` agree.
 
 Used by ``attn-course make-exercises``, ``attn-course regenerate`` and ``attn-course runtimes``.
 """
@@ -36,6 +38,7 @@ __all__ = [
     "final_progress_text",
     "exercise_is_current",
     "write_course_map",
+    "write_header_times",
 ]
 
 BEGIN = "### BEGIN SOLUTION"
@@ -182,3 +185,34 @@ def write_course_map(runtimes: Runtimes, *, root: Path | None = None) -> Path:
     cells[0].source = course_map_markdown(runtimes)
     _write(welcome, path)
     return path
+
+
+_TIME_TO_RUN = re.compile(r"(\*\*Time to run:?\*\*:? )about (?:\d+ s|a minute)")
+
+
+def _about(seconds: float) -> str:
+    return f"about {max(1, round(seconds))} s"
+
+
+def write_header_times(runtimes: Runtimes, *, root: Path | None = None) -> list[Path]:
+    """Rewrite "**Time to run**: about N s" in the header of every timed notebook; return those changed.
+
+    Only the figure changes (the rest of the sentence, e.g. "on a 2-core laptop CPU", stays); a
+    header without that phrase is left alone (``tests/test_notebooks.py`` asks for it in lessons).
+    """
+    root = root or project_root()
+    changed = []
+    for key, seconds in sorted(runtimes.seconds.items()):
+        path = root / key
+        if not path.exists():
+            continue
+        nb = nbformat.read(path, as_version=4)
+        header = nb.cells[0]
+        if header.cell_type != "markdown":
+            continue
+        new = _TIME_TO_RUN.sub(lambda m: m.group(1) + _about(seconds), header.source, count=1)
+        if new != header.source:
+            header.source = new
+            _write(nb, path)
+            changed.append(path)
+    return changed

@@ -125,6 +125,25 @@ def test_time_to_run_in_the_header_agrees_with_the_measurement(path):
     )
 
 
+def test_header_times_follow_the_measurement(tmp_path):
+    from attn_course.notebooks import write_header_times
+
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# T\n\n**Time to run**: about 5 s on a 2-core laptop CPU; most of it training.")]
+    nbformat.write(nb, folder / "04_x.ipynb")
+    other = nbformat.v4.new_notebook()
+    other.cells = [nbformat.v4.new_markdown_cell("# T\n\nno time stated")]
+    nbformat.write(other, folder / "05_y.ipynb")
+    runtimes = Runtimes(machine="m", threads=2, date="2026-01-01",
+                        seconds={"notebooks/04_x.ipynb": 14.6, "notebooks/05_y.ipynb": 3.0})
+    assert write_header_times(runtimes, root=tmp_path) == [folder / "04_x.ipynb"]
+    header = nbformat.read(folder / "04_x.ipynb", as_version=4).cells[0].source
+    assert header == "# T\n\n**Time to run**: about 15 s on a 2-core laptop CPU; most of it training."
+    assert write_header_times(runtimes, root=tmp_path) == [], "a second run changes nothing"
+
+
 def test_course_map_says_when_a_notebook_was_not_measured():
     runtimes = Runtimes(machine="a test machine", threads=2, date="2026-01-01", seconds={"notebooks/00_welcome.ipynb": 9.6})
     table = course_map_markdown(runtimes)
