@@ -48,23 +48,19 @@ from ._checks import check_positive_int
 from .attention import scaled_dot_product_attention
 from .chunked import chunked_attention
 from .linear import linear_attention
-from .measure import largest_tensor_bytes, peak_memory_bytes, saved_tensor_bytes, synchronize, time_call
+from .measure import peak_memory_bytes, synchronize, time_call
 from .multihead import MultiHeadAttention
 from .sparse import sparse_attention
 
-# synchronize, time_call, largest_tensor_bytes and saved_tensor_bytes live in attn_course.measure;
-# they stay importable from here, where lessons first met them.
+# The measuring tools (time_call, synchronize, largest_tensor_bytes, saved_tensor_bytes, peak memory)
+# live in attn_course.measure; this module builds the benchmarks from them.
 __all__ = [
-    "synchronize",
-    "time_call",
     "matmul_gflops",
     "bench_mha",
     "VARIANTS",
     "AttentionBenchConfig",
     "attention_variant",
     "attention_flops",
-    "largest_tensor_bytes",
-    "saved_tensor_bytes",
     "measure_peak_memory",
     "bench_attention",
     "attention_targets",

@@ -19,10 +19,10 @@ from attn_course.bench import (
     attention_variant,
     bench_attention,
     format_attention_table,
-    largest_tensor_bytes,
     measure_peak_memory,
     plot_attention_bench,
 )
+from attn_course.measure import largest_tensor_bytes
 
 TINY = AttentionBenchConfig(lengths=(32, 96), heads=2, head_dim=8, block_size=16, chunk_size=32, rounds=2,
                             max_quadratic_length=64, measure_memory=False)
@@ -166,7 +166,7 @@ def test_command_prints_table_targets_json_and_plot(tmp_path, capsys):
 
 
 def test_saved_tensor_bytes_counts_each_saved_storage_once():
-    from attn_course.bench import saved_tensor_bytes
+    from attn_course.measure import saved_tensor_bytes
 
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     assert saved_tensor_bytes(lambda t: t * t, x) == 4 * 8 * 8  # x saved twice, counted once
