@@ -1045,6 +1045,7 @@ def bench_peers(
                 "peak_bytes": None,
                 "note": note,
             })
+        say("measured (peak memory follows at the end):\n" + _format_comparison(rows[-len(comparison["impls"]):]))
         steps = inputs = grad_out = None  # free the large tensors before the next comparison
     memory_method, baseline = None, None
     if config.measure_memory and "exact" in config.works:
@@ -1142,6 +1143,18 @@ def peers_targets(results: dict) -> list[dict[str, object]]:
     return targets
 
 
+def _format_comparison(rows: list[dict]) -> str:
+    """One comparison's rows: the heading, then each implementation's figures."""
+    lines = [rows[0]["comparison"], f"  {'implementation':<52}{'ms':>10}{'x fused':>9}{'max|diff|':>11}{'peak MiB':>10}"]
+    for row in rows:
+        ms = "-" if row["time_s"] is None else f"{row['time_s'] * 1e3:.2f}"
+        ratio = "-" if row["x_fused"] is None else f"{row['x_fused']:.2f}"
+        diff = "-" if row["max_abs_diff"] is None else f"{row['max_abs_diff']:.1e}"
+        lines.append(f"  {row['label']:<52}{ms:>10}{ratio:>9}{diff:>11}{_megabytes(row['peak_bytes']):>10}"
+                     + (f"  ({row['note']})" if row["note"] else ""))
+    return "\n".join(lines)
+
+
 def format_peers_table(results: dict) -> str:
     """The measured rows, grouped by comparison, what each row computes, and the targets."""
     cfg = results["config"]
@@ -1157,13 +1170,7 @@ def format_peers_table(results: dict) -> str:
            if results["memory_baseline_bytes"] is not None else ""),
     ]
     for comparison in dict.fromkeys(row["comparison"] for row in results["rows"]):
-        lines += ["", comparison, f"  {'implementation':<52}{'ms':>10}{'x fused':>9}{'max|diff|':>11}{'peak MiB':>10}"]
-        for row in (r for r in results["rows"] if r["comparison"] == comparison):
-            ms = "-" if row["time_s"] is None else f"{row['time_s'] * 1e3:.2f}"
-            ratio = "-" if row["x_fused"] is None else f"{row['x_fused']:.2f}"
-            diff = "-" if row["max_abs_diff"] is None else f"{row['max_abs_diff']:.1e}"
-            lines.append(f"  {row['label']:<52}{ms:>10}{ratio:>9}{diff:>11}{_megabytes(row['peak_bytes']):>10}"
-                         + (f"  ({row['note']})" if row["note"] else ""))
+        lines += ["", _format_comparison([r for r in results["rows"] if r["comparison"] == comparison])]
     works = set(row["work"] for row in results["rows"])
     lines += ["", "what each comparison computes (all on the same seeded inputs):"]
     if "linear" in works:
