@@ -26,7 +26,7 @@ PINNED := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) ATTN_COURSE_THRE
 # and the hardware check disagree; a real AVX2 CPU takes another path), which is not the library's.
 OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
-.PHONY: setup lab test site site-deps regenerate runtimes exercises bench clean
+.PHONY: setup lab test site site-deps regenerate runtimes exercises bench bench-peers gpu-check gpu-bundle clean
 
 setup: $(STAMP)
 
@@ -80,6 +80,24 @@ exercises: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/attn-course bench mha
+
+# The library against the pure-PyTorch peers from PyPI (the `bench` extra; torch named again so pip keeps the pin).
+bench-peers: $(STAMP)
+	$(BIN)/pip install -qq "$(TORCH)" -e '.[bench]'
+	$(PINNED) $(BIN)/attn-course bench peers --threads $(THREADS)
+
+# On a machine with CUDA: every CUDA test case, lessons 04 and 12 and `bench mha` / `attention` / `peers` on
+# the GPU, within 8 minutes, one report (GPU_REPORT, and a .json beside it). Without CUDA it says so, skips the
+# GPU steps and rehearses the rest (exit 0 unless a step fails). It runs under $(PYTHON) and never builds the
+# venv: a lent GPU machine has no network, and its python3 already holds a CUDA torch (tests/gpu_check.py).
+GPU_REPORT ?= gpu-check-report.md
+gpu-check:
+	$(PYTHON) tests/gpu_check.py --report $(GPU_REPORT)
+
+# Copy the bench extra's peers (pure Python) from the venv into .gpu-site/, which gpu-check puts on the path there.
+gpu-bundle: $(STAMP)
+	$(BIN)/pip install -qq "$(TORCH)" -e '.[bench]'
+	$(BIN)/python tests/gpu_check.py bundle
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info docs/node_modules

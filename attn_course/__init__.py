@@ -49,7 +49,7 @@ from .distributed import (
 )
 from .dynamic import DynamicHeadAttention
 from .grouped import GroupedQueryAttention, grouped_attention, repeat_kv
-from .kv_cache import KVCache, compare_kv_cache_memory, decode_step, kv_cache_bytes, measure_decoding_speed
+from .kv_cache import KVCache, compare_kv_cache_memory, decode_step, kv_cache_bytes
 from .linear import (
     LinearAttentionState,
     RandomFeatureMap,
@@ -69,6 +69,7 @@ from .masks import (
     to_blocked_mask,
     with_causal,
 )
+from .measure import measure_decoding_speed
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 from .positional import (
     LearnedPositionalEmbedding,

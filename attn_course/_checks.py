@@ -7,10 +7,6 @@ L query length, S key length, D head dim, E model dim.
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable
-
 import torch
 
 __all__ = [
@@ -21,39 +17,7 @@ __all__ = [
     "check_mask",
     "check_key_mask",
     "shape_str",
-    "weights_keyword",
-    "WEIGHTS_ALIASES",
 ]
-
-# One keyword across the course asks for the attention weights: ``need_weights`` (PyTorch's name
-# in ``nn.MultiheadAttention``). Older releases of the course also used these; they still work.
-WEIGHTS_ALIASES = ("return_weights", "return_attention")
-
-
-def weights_keyword(fn: Callable) -> Callable:
-    """Let ``fn`` also take the deprecated ``return_weights=`` / ``return_attention=`` for ``need_weights=``.
-
-    The old name works as before but warns with a ``FutureWarning`` (shown in notebooks too).
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        __tracebackhide__ = True  # IPython and pytest show the learner's error from fn, not this frame
-        for old in WEIGHTS_ALIASES:
-            if old not in kwargs:
-                continue
-            if "need_weights" in kwargs:
-                raise TypeError(f"{fn.__qualname__}() got both {old}= (deprecated) and need_weights=; pass only need_weights=")
-            warnings.warn(
-                f"{fn.__qualname__}({old}=...) is deprecated: the course uses one keyword for the attention "
-                "weights everywhere, need_weights=...",
-                FutureWarning,
-                stacklevel=2,
-            )
-            kwargs["need_weights"] = kwargs.pop(old)
-        return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def shape_str(shape: torch.Size | tuple[int, ...]) -> str:

@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_qkv, weights_keyword
+from ._checks import check_mask, check_qkv
 from .masks import fully_masked_rows, with_causal
 
 __all__ = ["scaled_dot_product_attention", "stable_softmax"]
@@ -52,7 +52,6 @@ def stable_softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return exps / total.clamp_min(torch.finfo(total.dtype).tiny)
 
 
-@weights_keyword
 def scaled_dot_product_attention(
     q: torch.Tensor,
     k: torch.Tensor,

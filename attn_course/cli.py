@@ -3,6 +3,7 @@
     attn-course info [--device D]
     attn-course bench mha [--batch --length --d-model --heads ...]        (make bench)
     attn-course bench attention [--lengths --heads --head-dim ...]
+    attn-course bench peers [--works --sizes --quick --no-memory ...]     (needs the bench extra)
     attn-course make-exercises | regenerate [NB...] | runtimes [NB...]     (maintainers)
     attn-course grade SUBMISSION... [--csv --json --tasks ...]             (instructors)
 
@@ -125,6 +126,41 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+# `bench peers --quick`: every comparison on tiny inputs, one round, no memory: seconds, for tests and smoke runs.
+_PEERS_QUICK = {"linear_lengths": (128, 256), "exact_lengths": (128,), "local_length": 128, "block_size": 64,
+                "heads": 2, "head_dim": 16, "mha_batch": 2, "mha_length": 16, "mha_d_model": 32, "mha_heads": 4,
+                "rounds": 1, "measure_memory": False}
+
+
+def _cmd_bench_peers(args: argparse.Namespace) -> int:
+    from .bench import MissingPeersError, PeersBenchConfig, load_peers, report_peers
+
+    try:
+        load_peers()  # before anything is printed: a missing extra is one line and exit status 2
+    except MissingPeersError as exc:
+        raise UsageError(str(exc)) from None
+    fields = dict(_PEERS_QUICK) if args.quick else {}
+    if args.sizes:
+        fields.update(linear_lengths=tuple(args.sizes), exact_lengths=tuple(args.sizes), local_length=max(args.sizes))
+    for option, field in (("linear_sizes", "linear_lengths"), ("exact_sizes", "exact_lengths")):
+        if getattr(args, option):
+            fields[field] = tuple(getattr(args, option))
+    if args.works:
+        fields["works"] = tuple(args.works)
+    if args.rounds:
+        fields["rounds"] = args.rounds
+    if args.no_memory:
+        fields["measure_memory"] = False
+    try:
+        config = PeersBenchConfig(**fields)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+    device = _start_bench(args)
+    results = report_peers(config, device=device)
+    _write_json(args.json, {"device": str(device), "peers": results})
+    return 0
+
+
 def _cmd_make_exercises(args: argparse.Namespace) -> int:
     from .notebooks import make_exercises
 
@@ -229,6 +265,24 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     attention.add_argument("--plot", default=None, help="save the time/memory plot to this PNG")
     attention.set_defaults(func=_cmd_bench_attention)
+
+    peers = targets.add_parser(
+        "peers", parents=[common],
+        help="the library against pure-PyTorch peers from PyPI (the bench extra): times, ratios to fused, exactness",
+    )
+    peers.add_argument("--works", nargs="+", choices=["linear", "exact", "local", "mha"], default=None,
+                       help="which comparisons (default: all)")
+    peers.add_argument("--sizes", type=_positive_int, nargs="+", default=None,
+                       help="sequence lengths for linear and exact attention; block-local uses the largest")
+    peers.add_argument("--linear-sizes", type=_positive_int, nargs="+", default=None,
+                       help="causal linear attention lengths (default 1024 .. 16384)")
+    peers.add_argument("--exact-sizes", type=_positive_int, nargs="+", default=None,
+                       help="exact attention lengths (default 2048 4096 8192)")
+    peers.add_argument("--rounds", type=_positive_int, default=0, help="interleaved timing rounds (median; default 3)")
+    peers.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    peers.add_argument("--quick", action="store_true",
+                       help="tiny inputs, one round, no memory: checks that everything runs, in seconds")
+    peers.set_defaults(func=_cmd_bench_peers)
 
     exercises = sub.add_parser("make-exercises", help="regenerate exercises/ from solutions/")
     exercises.set_defaults(func=_cmd_make_exercises)

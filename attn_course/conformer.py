@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_positive_int, check_tensor, shape_str, weights_keyword
+from ._checks import check_positive_int, check_tensor, shape_str
 from .masks import padding_mask
 from .multihead import MultiHeadAttention
 from .positional import RelativePositionMultiHeadAttention, sinusoidal_encoding
@@ -414,7 +414,6 @@ class ConformerEncoder(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(ConformerBlock(config, **factory) for _ in range(config.num_layers))
 
-    @weights_keyword
     def forward(
         self, features: torch.Tensor, lengths: torch.Tensor | None = None, *, need_weights: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checks import check_mask, check_positive_int, check_tensor, shape_str, weights_keyword
+from ._checks import check_mask, check_positive_int, check_tensor, shape_str
 from .attention import scaled_dot_product_attention
 from .masks import with_causal
 from .multihead import MultiHeadAttention
@@ -56,7 +56,6 @@ def _fold_mask(mask: torch.Tensor, *, B: int, H: int, L: int, S: int, num_kv_hea
     return mask.reshape(mask.shape[0], num_kv_heads, (H // num_kv_heads) * L, S)  # (b, Hkv, R * L, S)
 
 
-@weights_keyword
 def grouped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -244,11 +243,3 @@ class GroupedQueryAttention(MultiHeadAttention):
         new.train(module.training)
         return new
 
-
-def __getattr__(name: str) -> object:
-    """``kv_cache_bytes`` and ``compare_kv_cache_memory`` moved to ``attn_course.kv_cache``; old imports still work."""
-    if name in ("kv_cache_bytes", "compare_kv_cache_memory"):
-        from . import kv_cache  # imported here: kv_cache imports this module
-
-        return getattr(kv_cache, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,11 +29,10 @@ import torch.nn as nn
 
 from ._checks import check_positive_int, check_tensor, shape_str
 from .grouped import GroupedQueryAttention
-from .measure import time_call
 from .masks import causal_mask, combine_masks
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 
-__all__ = ["KVCache", "decode_step", "measure_decoding_speed", "kv_cache_bytes", "compare_kv_cache_memory"]
+__all__ = ["KVCache", "decode_step", "kv_cache_bytes", "compare_kv_cache_memory"]
 
 
 class KVCache:
@@ -185,65 +184,6 @@ def decode_step(
     allowed = combine_masks(mask, causal)  # broadcastable to (B, H, T, S), or None
     context, _ = module.attend(q, keys, values, mask=allowed)  # (B, H, T, D)
     return module.out_proj(merge_heads(context))  # (B, T, E)
-
-
-def measure_decoding_speed(
-    module: MultiHeadAttention,
-    *,
-    batch_size: int = 1,
-    prompt_length: int = 16,
-    new_tokens: int = 64,
-    repeats: int = 3,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Time decoding ``new_tokens`` tokens after a prompt: full recompute per step vs the KV cache.
-
-    Both loops run the attention layer on the same random token embeddings (teacher-forced:
-    there is no vocabulary here): the *full* loop calls ``module(x[:, : t + 1], is_causal=True)``
-    at every step and keeps the last row; the *cached* loop prefills the prompt once and then
-    calls ``decode_step`` with one token per step. Returns median seconds for the whole
-    generation (``full_s``, ``cached_s``), the ``speedup`` (``full_s / cached_s``) and
-    ``max_abs_diff`` between the two loops' outputs (they compute the same thing).
-    """
-    prompt_length = check_positive_int("prompt_length", prompt_length)
-    new_tokens = check_positive_int("new_tokens", new_tokens)
-    repeats = check_positive_int("repeats", repeats)
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    weight = module.q_proj.weight
-    device = weight.device
-    total = prompt_length + new_tokens
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch_size, total, module.d_model, generator=generator, dtype=weight.dtype).to(device)  # (B, S, E)
-
-    def full_recompute() -> torch.Tensor:
-        rows = [module(x[:, : t + 1], is_causal=True)[:, -1:] for t in range(prompt_length, total)]  # each (B, 1, E)
-        return torch.cat(rows, dim=1)  # (B, new_tokens, E)
-
-    def cached() -> torch.Tensor:
-        cache = KVCache.for_module(module, batch_size=batch_size, max_length=total)
-        decode_step(module, x[:, :prompt_length], cache)  # prefill the prompt in one call
-        rows = [decode_step(module, x[:, t : t + 1], cache) for t in range(prompt_length, total)]  # each (B, 1, E)
-        return torch.cat(rows, dim=1)  # (B, new_tokens, E)
-
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            difference = (full_recompute() - cached()).abs().max().item()
-            full_s = time_call(full_recompute, device=device, warmup=1, repeats=repeats)
-            cached_s = time_call(cached, device=device, warmup=1, repeats=repeats)
-    finally:
-        module.train(was_training)
-    return {
-        "batch_size": batch_size,
-        "prompt_length": prompt_length,
-        "new_tokens": new_tokens,
-        "full_s": full_s,
-        "cached_s": cached_s,
-        "speedup": full_s / cached_s,
-        "max_abs_diff": difference,
-    }
 
 
 # --------------------------------------------------------------------------------------------

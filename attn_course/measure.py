@@ -1,7 +1,8 @@
 """Measuring tools: wall time, the largest tensor a call creates, what autograd saves, peak memory.
 
-Small and free of the benchmark harness, so library code may import them (``attn_course.kv_cache``
-times decoding with :func:`time_call`; the graders read :func:`saved_tensor_bytes`):
+Apart from the benchmark harness (:mod:`attn_course.bench`) and from the models: a model module
+imports no measuring code, and what times or probes a model lives here (the graders read
+:func:`saved_tensor_bytes`):
 
 * :func:`time_call`: median wall time of a call, GPU work waited for (:func:`synchronize`);
 * :func:`largest_tensor_bytes`: the largest tensor storage any torch call inside a function
@@ -9,13 +10,15 @@ times decoding with :func:`time_call`; the graders read :func:`saved_tensor_byte
 * :func:`saved_tensor_bytes`: the bytes autograd keeps for the backward pass -- deterministic too;
 * :func:`peak_memory_bytes`: the extra peak memory of one call, measured: the CUDA allocator's
   peak on a GPU, the process's peak resident set on a CPU (Linux's ``VmHWM``, reset before the
-  call; ``ru_maxrss`` elsewhere).
+  call; ``ru_maxrss`` elsewhere);
+* :func:`measure_decoding_speed`: decoding with and without a KV cache (:mod:`attn_course.kv_cache`),
+  timed with :func:`time_call`.
 
 Timings and peak memory depend on the machine and its load: lessons print them in cells whose
 output is not compared, and assert only orderings and ratios with margins.
 ``attn-course bench`` (:mod:`attn_course.bench`) builds its tables from these tools.
 
-Taught in lesson 04 (the cost of attention); lessons 05-07 and 11 use them.
+Taught in lesson 04 (the cost of attention); lessons 05-07 and 11 use them (11: decoding speed).
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+
+from ._checks import check_positive_int
+from .kv_cache import KVCache, decode_step
+from .multihead import MultiHeadAttention
 
 try:
     import resource  # Unix only
@@ -39,6 +47,7 @@ __all__ = [
     "largest_tensor_bytes",
     "saved_tensor_bytes",
     "peak_memory_bytes",
+    "measure_decoding_speed",
 ]
 
 
@@ -184,3 +193,62 @@ def peak_memory_bytes(fn: Callable[[], object], *, device: torch.device | str = 
     after = _status_bytes("VmHWM") if reset else _max_rss_bytes()
     method = "peak RSS (" + ("VmHWM" if reset else "ru_maxrss") + ")"
     return {"bytes": max(0, after - before), "method": method, "error": None}
+
+
+def measure_decoding_speed(
+    module: MultiHeadAttention,
+    *,
+    batch_size: int = 1,
+    prompt_length: int = 16,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Time decoding ``new_tokens`` tokens after a prompt: full recompute per step vs the KV cache.
+
+    Both loops run the attention layer on the same random token embeddings (teacher-forced:
+    there is no vocabulary here): the *full* loop calls ``module(x[:, : t + 1], is_causal=True)``
+    at every step and keeps the last row; the *cached* loop prefills the prompt once and then
+    calls ``decode_step`` with one token per step. Returns median seconds for the whole
+    generation (``full_s``, ``cached_s``), the ``speedup`` (``full_s / cached_s``) and
+    ``max_abs_diff`` between the two loops' outputs (they compute the same thing).
+    """
+    prompt_length = check_positive_int("prompt_length", prompt_length)
+    new_tokens = check_positive_int("new_tokens", new_tokens)
+    repeats = check_positive_int("repeats", repeats)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    weight = module.q_proj.weight
+    device = weight.device
+    total = prompt_length + new_tokens
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, total, module.d_model, generator=generator, dtype=weight.dtype).to(device)  # (B, S, E)
+
+    def full_recompute() -> torch.Tensor:
+        rows = [module(x[:, : t + 1], is_causal=True)[:, -1:] for t in range(prompt_length, total)]  # each (B, 1, E)
+        return torch.cat(rows, dim=1)  # (B, new_tokens, E)
+
+    def cached() -> torch.Tensor:
+        cache = KVCache.for_module(module, batch_size=batch_size, max_length=total)
+        decode_step(module, x[:, :prompt_length], cache)  # prefill the prompt in one call
+        rows = [decode_step(module, x[:, t : t + 1], cache) for t in range(prompt_length, total)]  # each (B, 1, E)
+        return torch.cat(rows, dim=1)  # (B, new_tokens, E)
+
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            difference = (full_recompute() - cached()).abs().max().item()
+            full_s = time_call(full_recompute, device=device, warmup=1, repeats=repeats)
+            cached_s = time_call(cached, device=device, warmup=1, repeats=repeats)
+    finally:
+        module.train(was_training)
+    return {
+        "batch_size": batch_size,
+        "prompt_length": prompt_length,
+        "new_tokens": new_tokens,
+        "full_s": full_s,
+        "cached_s": cached_s,
+        "speedup": full_s / cached_s,
+        "max_abs_diff": difference,
+    }

@@ -4,8 +4,8 @@
   ``attn_course.MultiHeadAttention`` (optionally with an MLP), and a linear read-out at every
   position. Small enough to train in seconds on a laptop CPU; ``attention_maps`` returns every
   layer's per-head weights for the head explorer. Trained in lesson 02 (multi-head attention).
-* ``token_influence`` (the probe of lessons 02, 03 and 09) lives with the other diagnostics in
-  ``attn_course.diagnostics``; it is re-exported here, where the lessons import it from.
+* The probe that shows which positions a trained model mixes, ``token_influence``, is a
+  diagnostic: it lives in ``attn_course.diagnostics`` (model modules import no measuring code).
 
 Shape legend: B batch, H heads, L length, E model dim (``d_model``), C classes.
 """
@@ -18,10 +18,9 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_int, check_positive_int, shape_str
-from .diagnostics import token_influence  # re-exported: lessons 02, 03 and 11 import it from here
 from .multihead import MultiHeadAttention
 
-__all__ = ["TinyAttentionConfig", "TinyAttentionModel", "token_influence"]
+__all__ = ["TinyAttentionConfig", "TinyAttentionModel"]
 
 
 @dataclass(frozen=True)

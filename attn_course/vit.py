@@ -11,7 +11,7 @@ The attention is the package's ``MultiHeadAttention``; ask for the per-layer, pe
 attention maps with ``model(images, need_weights=True)`` and combine them across layers
 with :func:`attention_rollout` (Abnar & Zuidema, 2020).
 
-:func:`token_influence` measures which output tokens change when one input token is
+:func:`attn_course.diagnostics.token_influence` measures which output tokens change when one input token is
 perturbed: in real self-attention every token reaches every other one. The source article's
 ViT attention (``qkv.reshape(B, N, 3, H, D)`` multiplied without moving the heads in front)
 attends across *heads* inside each token instead; the probe exposes it (see the tests and
@@ -31,8 +31,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from ._checks import check_int, check_positive_int, check_tensor, shape_str, weights_keyword
-from .diagnostics import token_influence  # the token-mixing probe of lesson 02, re-exported for lesson 09
+from ._checks import check_int, check_positive_int, check_tensor, shape_str
 from .multihead import MultiHeadAttention
 from .positional import LearnedPositionalEmbedding
 
@@ -45,7 +44,6 @@ __all__ = [
     "ViTBlock",
     "VisionTransformer",
     "attention_rollout",
-    "token_influence",
 ]
 
 
@@ -417,7 +415,6 @@ class VisionTransformer(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    @weights_keyword
     def encode(
         self, images: torch.Tensor, *, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -436,7 +433,6 @@ class VisionTransformer(nn.Module):
         x = self.norm(x)  # (B, N+1, E)
         return (x, maps) if need_weights else x
 
-    @weights_keyword
     def forward(
         self, images: torch.Tensor, *, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:

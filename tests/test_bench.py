@@ -19,10 +19,10 @@ from attn_course.bench import (
     attention_variant,
     bench_attention,
     format_attention_table,
-    largest_tensor_bytes,
     measure_peak_memory,
     plot_attention_bench,
 )
+from attn_course.measure import largest_tensor_bytes
 
 TINY = AttentionBenchConfig(lengths=(32, 96), heads=2, head_dim=8, block_size=16, chunk_size=32, rounds=2,
                             max_quadratic_length=64, measure_memory=False)
@@ -166,7 +166,7 @@ def test_command_prints_table_targets_json_and_plot(tmp_path, capsys):
 
 
 def test_saved_tensor_bytes_counts_each_saved_storage_once():
-    from attn_course.bench import saved_tensor_bytes
+    from attn_course.measure import saved_tensor_bytes
 
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     assert saved_tensor_bytes(lambda t: t * t, x) == 4 * 8 * 8  # x saved twice, counted once
@@ -183,3 +183,127 @@ def test_saved_tensor_bytes_counts_each_saved_storage_once():
     weights = 2 * L * L * 4
     assert saved_tensor_bytes(ac.scaled_dot_product_attention, q, k, v, fused=False) >= 2 * weights
     assert saved_tensor_bytes(ac.scaled_dot_product_attention, q, k, v, fused=True) < weights
+
+
+# ---------------------------------------------------------------- attn-course bench peers
+
+PEERS_TINY = dict(linear_lengths=(128,), exact_lengths=(64,), local_length=128, block_size=64, heads=2, head_dim=8,
+                  mha_batch=2, mha_length=8, mha_d_model=16, mha_heads=2, rounds=1, measure_memory=False)
+SAME_FUNCTION = {"lat_exact", "mea", "flash", "fused", "local_block", "local_sliding", "torch_mha"}
+
+
+def _rows_by_impl(results, work):
+    return {row["impl"]: row for row in results["rows"] if row["work"] == work}
+
+
+def test_peers_harness_times_every_row_with_its_exactness():
+    from attn_course.bench import PeersBenchConfig, bench_peers, format_peers_table
+
+    results = bench_peers(PeersBenchConfig(**PEERS_TINY))
+    comparisons = {row["comparison"] for row in results["rows"]}
+    assert len(comparisons) == 1 + 4 + 2 + 1  # linear; exact x (causal, pass); block and sliding; MHA
+    assert {row["impl"] for row in results["rows"]} == {
+        "ours_linear", "lat_exact", "lat_bucketed", "fused", "ours_chunked", "mea", "flash",
+        "ours_block", "local_block", "ours_sliding", "local_sliding", "ours_mha", "torch_mha"}
+    for row in results["rows"]:
+        assert row["time_s"] > 0 and row["x_fused"] > 0, row
+        if row["impl"].startswith("ours"):
+            assert row["max_abs_diff"] == 0, row
+        elif row["impl"] in SAME_FUNCTION and not (row["impl"] == "fused" and row["work"] in ("linear", "local")):
+            assert row["max_abs_diff"] < 1e-4, row  # float32: the same function, rounded differently
+        elif row["impl"] == "fused":  # softmax vs linear / local attention: a cost reference only
+            assert row["max_abs_diff"] is None and row["note"], row
+        else:  # the bucketed peer: another function, its row says so
+            assert row["impl"] == "lat_bucketed" and "not the same function" in row["note"], row
+    assert _rows_by_impl(results, "linear")["lat_bucketed"]["max_abs_diff"] > 1e-2  # another function, and it shows
+    assert all(row["x_fused"] == 1.0 for row in results["rows"] if row["impl"] in ("fused", "torch_mha"))
+    for name, version in results["peers"].items():
+        assert version, name
+    printed = format_peers_table(results)
+    for text in ("causal_linear_attn(bucket_size=1)", "FlashAttentionFunction", "memory_efficient_attention",
+                 "LocalAttention(look_backward=0)", "nn.MultiheadAttention", "what each comparison computes",
+                 "not the same function", "targets"):
+        assert text in printed, text
+    targets = {t["target"]: t for t in results["targets"]}
+    assert any("chunked / fastest peer, time" in t for t in targets) and any("ours / LocalAttention" in t for t in targets)
+    assert all(t["value"] is not None for t in results["targets"])
+    json.dumps(results)  # JSON-able
+
+
+def test_peers_compute_the_same_function_as_ours_in_float64():
+    """Read from their sources, matched in the harness; checked here where rounding cannot hide a difference."""
+    from attn_course.bench import PeersBenchConfig, bench_peers
+
+    results = bench_peers(PeersBenchConfig(**{**PEERS_TINY, "dtype": "float64", "works": ("linear", "exact", "local")}))
+    linear, exact, local = (_rows_by_impl(results, work) for work in ("linear", "exact", "local"))
+    assert linear["lat_exact"]["max_abs_diff"] < 1e-10
+    assert local["local_sliding"]["max_abs_diff"] < 1e-10
+    for row in results["rows"]:
+        if row["impl"] in ("fused", "local_block"):
+            assert row["max_abs_diff"] is None or row["max_abs_diff"] < 1e-10, row
+        if row["impl"] == "mea":
+            assert row["max_abs_diff"] < 1e-7, row  # it adds 1e-8 to the softmax denominator
+        if row["impl"] == "flash":  # float32 running sums whatever the input: it cannot take float64
+            assert row["time_s"] is None and row["note"].startswith("skipped"), row
+    assert exact["mea"]["max_abs_diff"] is not None
+
+
+@pytest.mark.slow
+def test_peers_peak_memory_of_the_exact_rows_is_measured_in_child_processes():
+    from attn_course.bench import PeersBenchConfig, bench_peers
+
+    results = bench_peers(PeersBenchConfig(**{**PEERS_TINY, "works": ("exact", "mha"), "measure_memory": True}))
+    assert results["memory_method"].startswith("child process")
+    for row in results["rows"]:
+        if row["work"] == "exact":
+            assert isinstance(row["peak_bytes"], int) and row["peak_bytes"] >= 0, row
+        else:
+            assert row["peak_bytes"] is None
+    assert any("peak memory" in t["target"] for t in results["targets"])
+
+
+def test_bench_peers_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
+    import sys
+
+    from attn_course.cli import main
+
+    monkeypatch.setitem(sys.modules, "local_attention", None)  # import local_attention now raises ImportError
+    assert main(["bench", "peers", "--quick"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "local-attention" in err and "pip install 'attn-course[bench]'" in err
+
+
+def test_bench_peers_command_quick_prints_and_writes_json(tmp_path, capsys):
+    from attn_course.cli import main
+
+    path = tmp_path / "peers.json"
+    assert main(["bench", "peers", "--quick", "--works", "exact", "mha", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "exact attention, causal, forward+backward, N=128" in printed and "ours / nn.MultiheadAttention" in printed
+    figures = json.loads(path.read_text())["peers"]
+    assert {row["work"] for row in figures["rows"]} == {"exact", "mha"}
+
+
+def test_bench_peers_refuses_a_local_length_that_is_not_whole_blocks(capsys):
+    from attn_course.cli import main
+
+    assert main(["bench", "peers", "--quick", "--works", "local", "--sizes", "100"]) == 2
+    assert "multiple of block_size" in capsys.readouterr().err
+
+
+def test_bench_extra_pins_the_peers_the_harness_imports():
+    """The peers are imported by name (they are an extra, not runtime dependencies): the extra must list exactly them."""
+    import tomllib
+    from importlib import metadata
+    from pathlib import Path
+
+    from attn_course.bench import PEER_PACKAGES
+
+    project = tomllib.loads((Path(ac.__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    pins = dict(requirement.split("==") for requirement in project["optional-dependencies"]["bench"])
+    assert set(pins) == set(PEER_PACKAGES)
+    runtime = " ".join(project["dependencies"])
+    assert not any(name in runtime for name in PEER_PACKAGES)
+    for name, version in pins.items():
+        assert metadata.version(name) == version, f"{name}: installed {metadata.version(name)}, the extra pins {version}"

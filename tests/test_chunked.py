@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn_course as ac
-from attn_course.bench import largest_tensor_bytes
 from attn_course.chunked import (
     PartialAttention,
     chunked_attention,
@@ -17,6 +16,7 @@ from attn_course.chunked import (
     partial_attention,
     query_chunked_attention,
 )
+from attn_course.measure import largest_tensor_bytes
 
 F64 = {"atol": 1e-10, "rtol": 1e-10}
 

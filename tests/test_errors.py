@@ -127,7 +127,7 @@ def test_pick_device_unavailable_names_available():
         ac.pick_device("cuda")
 
 
-# --- one keyword for the attention weights: need_weights; the old names still work and warn ---------
+# --- one keyword for the attention weights: need_weights (the old names were removed) ---------------
 
 
 def _weights_calls():
@@ -139,28 +139,19 @@ def _weights_calls():
     conformer = ac.ConformerEncoder(ac.ConformerConfig(n_mels=8, d_model=16, num_heads=2, num_layers=1,
                                                        num_classes=3, conv_kernel_size=3, subsampling_channels=4)).eval()
     images, frames = torch.randn(2, 1, 8, 8), torch.randn(2, 12, 8)
+    mha, tokens = ac.MultiHeadAttention(16, 2), torch.randn(2, 5, 16)
     return [
         ("scaled_dot_product_attention", lambda **kw: ac.scaled_dot_product_attention(q, q, q, **kw)),
         ("grouped_attention", lambda **kw: ac.grouped_attention(q, kv, kv, **kw)),
         ("VisionTransformer.forward", lambda **kw: vit(images, **kw)),
         ("ConformerEncoder.forward", lambda **kw: conformer(frames, **kw)),
+        ("MultiHeadAttention.forward", lambda **kw: mha(tokens, **kw)),
     ]
 
 
 @pytest.mark.parametrize("old", ["return_weights", "return_attention"])
-def test_old_weights_keywords_warn_and_give_what_need_weights_gives(old):
+def test_the_old_weights_keywords_are_gone(old):
+    """One keyword asks for the weights everywhere, need_weights=; the old names are a plain TypeError."""
     for name, call in _weights_calls():
-        with torch.no_grad():
-            new = call(need_weights=True)
-            with pytest.warns(FutureWarning, match=rf"{old}=\.\.\.\) is deprecated.*need_weights"):
-                legacy = call(**{old: True})
-        assert len(new) == len(legacy), name
-        for a, b in zip(new, legacy):
-            for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
-                torch.testing.assert_close(x, y, rtol=0, atol=0, msg=name)
-
-
-def test_old_and_new_weights_keyword_together_is_an_error():
-    q = torch.randn(1, 3, 4)
-    with pytest.raises(TypeError, match="got both return_weights= .*need_weights="):
-        ac.scaled_dot_product_attention(q, q, q, need_weights=True, return_weights=True)
+        with torch.no_grad(), pytest.raises(TypeError, match=old):
+            call(**{old: True})

@@ -7,13 +7,8 @@ import torch
 import torch.nn as nn
 
 import attn_course as ac
-from attn_course.grouped import (
-    GroupedQueryAttention,
-    compare_kv_cache_memory,
-    grouped_attention,
-    kv_cache_bytes,
-    repeat_kv,
-)
+from attn_course.grouped import GroupedQueryAttention, grouped_attention, repeat_kv
+from attn_course.kv_cache import compare_kv_cache_memory, kv_cache_bytes
 
 F64 = {"atol": 1e-10, "rtol": 1e-10}
 

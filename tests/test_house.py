@@ -1,5 +1,5 @@
-"""How the package is put together: measuring tools apart from the benchmark, no private cross-imports,
-every module naming its lesson, and the measuring tools themselves."""
+"""How the package is put together: measuring tools apart from the benchmark and the models, no
+compatibility shims, no private cross-imports, every module naming its lesson, and the measuring tools."""
 
 from __future__ import annotations
 
@@ -49,18 +49,47 @@ def test_library_modules_do_not_load_the_benchmark_or_the_grader():
     assert loaded == "[]"
 
 
-def test_moved_names_are_still_importable_from_their_old_homes():
-    from attn_course import bench, grouped, kv_cache, models, vit
-    from attn_course.diagnostics import token_influence
+# Modules that define models and layers. None of them may import measuring or diagnostic code: what
+# times or probes a model lives in attn_course.measure / attn_course.diagnostics, beside the other tools.
+MODEL_MODULES = ("attention", "multihead", "grouped", "kv_cache", "vit", "models", "conformer", "dynamic",
+                 "positional", "sparse", "linear", "chunked", "masks")
+MEASURING_MODULES = ("attn_course.measure", "attn_course.diagnostics", "attn_course.bench", "attn_course.stats",
+                     "attn_course.grading", "attn_course.cli", "attn_course.widgets", "attn_course.viz")
 
-    assert bench.time_call is measure.time_call and bench.synchronize is measure.synchronize
-    assert bench.largest_tensor_bytes is measure.largest_tensor_bytes
-    assert bench.saved_tensor_bytes is measure.saved_tensor_bytes
-    assert grouped.kv_cache_bytes is kv_cache.kv_cache_bytes is ac.kv_cache_bytes
-    assert grouped.compare_kv_cache_memory is kv_cache.compare_kv_cache_memory
-    assert models.token_influence is vit.token_influence is token_influence is ac.token_influence
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        grouped.nothing  # noqa: B018
+
+@pytest.mark.parametrize("name", MODEL_MODULES)
+def test_model_modules_import_no_measuring_or_diagnostic_code(name):
+    """Each model module, imported on its own in a fresh interpreter, loads none of the measuring modules.
+
+    The package's __init__ re-exports everything, so the check stubs the package first: only the
+    module itself and what it really imports get loaded.
+    """
+    code = (
+        "import importlib.util, sys, types\n"
+        f"package = types.ModuleType('attn_course'); package.__path__ = [{str(PACKAGE)!r}]\n"
+        "sys.modules['attn_course'] = package\n"
+        f"importlib.import_module('attn_course.{name}')\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({MEASURING_MODULES!r})))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", f"attn_course.{name} loads {loaded}"
+
+
+def test_the_compatibility_shims_are_gone():
+    """No moved-name __getattr__, no re-exports of measuring or diagnostic tools from the model or bench modules."""
+    from attn_course import _checks, bench, grouped, kv_cache, models, vit
+
+    assert not hasattr(grouped, "__getattr__")
+    for name in ("kv_cache_bytes", "compare_kv_cache_memory"):
+        assert not hasattr(grouped, name) and getattr(kv_cache, name) is getattr(ac, name)
+    assert not hasattr(kv_cache, "measure_decoding_speed") and measure.measure_decoding_speed is ac.measure_decoding_speed
+    for module in (models, vit):
+        assert not hasattr(module, "token_influence") and "token_influence" not in module.__all__
+    for name in ("time_call", "synchronize", "largest_tensor_bytes", "saved_tensor_bytes"):
+        assert name not in bench.__all__, name
+    assert not hasattr(_checks, "weights_keyword") and not hasattr(_checks, "WEIGHTS_ALIASES")
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    assert "FutureWarning" not in source and "return_weights" not in source and "return_attention" not in source
 
 
 # ---------------------------------------------------------------- the measuring tools

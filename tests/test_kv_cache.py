@@ -7,8 +7,9 @@ import torch
 
 import attn_course as ac
 from attn_course.dynamic import DynamicHeadAttention
-from attn_course.grouped import GroupedQueryAttention, kv_cache_bytes
-from attn_course.kv_cache import KVCache, decode_step, measure_decoding_speed
+from attn_course.grouped import GroupedQueryAttention
+from attn_course.kv_cache import KVCache, decode_step, kv_cache_bytes
+from attn_course.measure import measure_decoding_speed
 
 F64 = {"atol": 1e-10, "rtol": 1e-10}
 

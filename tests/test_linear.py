@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn_course as ac
-from attn_course.bench import largest_tensor_bytes
 from attn_course.linear import (
     LinearAttentionState,
     RandomFeatureMap,
@@ -21,6 +20,7 @@ from attn_course.linear import (
     linear_attention_step,
     relu_feature_map,
 )
+from attn_course.measure import largest_tensor_bytes
 
 F64 = {"atol": 1e-10, "rtol": 1e-10}
 FEATURE_MAPS = {

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import attn_course as ac
-from attn_course.models import TinyAttentionConfig, TinyAttentionModel, token_influence
+from attn_course.diagnostics import token_influence
+from attn_course.models import TinyAttentionConfig, TinyAttentionModel
 
 
 def _model(seed=0, **overrides):

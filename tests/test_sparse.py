@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn_course as ac
-from attn_course.bench import largest_tensor_bytes
+from attn_course.measure import largest_tensor_bytes
 from attn_course.sparse import PATTERNS, SparseAttention, pattern_mask, sparse_attention
 
 F64 = {"atol": 1e-10, "rtol": 1e-10}

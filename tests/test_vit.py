@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from attn_course.diagnostics import token_influence
 from attn_course.multihead import MultiHeadAttention
 from attn_course.positional import LearnedPositionalEmbedding
 from attn_course.vit import (
@@ -19,7 +20,6 @@ from attn_course.vit import (
     attention_rollout,
     patchify,
     sincos_positions_2d,
-    token_influence,
 )
 
 SMALL = ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=16, depth=2, num_heads=2)
