@@ -27,9 +27,9 @@ do not depend on ``i``: computing them first (associativity of the matrix produc
     a matrix product, so the time is matmul-bound and linear in ``N``.
   - ``"prefix_sum"``: the literal definition, ``cumsum`` of the ``(C, M, Dv)`` outer products
     ``phi(k_j) v_j^T`` chunk by chunk. It reads and writes ``M Dv`` numbers per position, which
-    makes it memory-bound: measured 7-10x slower than ``"chunkwise"`` at N = 1024, 2048 (B = 1,
-    H = 8, D = 64, float32, 2 threads, on a 2-core machine at load 16), and 26-39x slower than a
-    chunkwise peer at N = 1024..16384 on an idle one (issue 22).
+    makes it memory-bound: measured 9-20x slower than ``"chunkwise"`` at N = 1024..16384 (B = 1,
+    H = 8, D = 64, float32, 2 threads, interleaved, on a 2-core machine at load 15), and 26-39x
+    slower than a chunkwise peer on an idle one (issue 22).
   - ``"rnn"``: one token at a time, exactly :func:`linear_attention_step` in a loop -- an RNN
     whose state is ``(S_t, z_t)``. For teaching and for checking; :func:`linear_attention_step`
     is the one to decode with, in constant memory per token.
