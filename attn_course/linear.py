@@ -15,11 +15,24 @@ do not depend on ``i``: computing them first (associativity of the matrix produc
   applied to chunks of queries. The chunks change no maths; they keep every temporary small
   (``O(chunk M)``), which on a CPU also keeps long sequences from paying a page fault per byte
   for each fresh 32 MB temporary (measured: twice as fast at N = 16384, ``attn-course bench attention``).
-* Causal: query ``t`` uses the prefix sums ``S_t = sum_{j<=t} phi(k_j) v_j^T`` and
-  ``z_t``, computed with ``cumsum`` (in chunks of ``chunk_size`` positions so memory stays
-  ``O(chunk M Dv)``, carrying the running sums from chunk to chunk).
-* Recurrent: the same prefix sums updated one token at a time -- an RNN whose state is
-  ``(S_t, z_t)``; :func:`linear_attention_step` decodes step by step in constant memory.
+* Causal: query ``t`` reads only keys ``0..t``: ``S_t = sum_{j<=t} phi(k_j) v_j^T`` and ``z_t``.
+  Three ways to compute it, chosen by ``method`` (all equal up to rounding):
+
+  - ``"chunkwise"`` (the default; the causal form of Katharopoulos et al. 2020 computed a chunk at
+    a time, as Hua et al. 2022 (FLASH) and later linear-attention kernels do): split
+    the sequence into chunks of ``C`` positions. Within a chunk, the masked quadratic form
+    ``tril(phi(Q_c) phi(K_c)^T) V_c`` -- one ``(C, C)`` matmul; across chunks, one running
+    ``(M, Dv)`` state ``S`` and normaliser ``z`` (the RNN state, advanced a chunk at a time:
+    ``S <- S + phi(K_c)^T V_c``), which the chunk's queries read as ``phi(Q_c) S``. Every step is
+    a matrix product, so the time is matmul-bound and linear in ``N``.
+  - ``"prefix_sum"``: the literal definition, ``cumsum`` of the ``(C, M, Dv)`` outer products
+    ``phi(k_j) v_j^T`` chunk by chunk. It reads and writes ``M Dv`` numbers per position, which
+    makes it memory-bound: measured 9-20x slower than ``"chunkwise"`` at N = 1024..16384 (B = 1,
+    H = 8, D = 64, float32, 2 threads, interleaved, on a 2-core machine at load 15), and 26-39x
+    slower than a chunkwise peer on an idle one (issue 22).
+  - ``"rnn"``: one token at a time, exactly :func:`linear_attention_step` in a loop -- an RNN
+    whose state is ``(S_t, z_t)``. For teaching and for checking; :func:`linear_attention_step`
+    is the one to decode with, in constant memory per token.
 * :func:`linear_attention_quadratic` computes the same numbers the ``O(N^2)`` way
   (``phi(Q) phi(K)^T`` then normalise); lessons and tests use it to check the fast forms.
 
@@ -61,6 +74,7 @@ __all__ = [
     "linear_attention_quadratic",
     "LinearAttentionState",
     "linear_attention_step",
+    "CAUSAL_METHODS",
 ]
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
@@ -195,6 +209,15 @@ def _masked_key_features(phi_k: torch.Tensor, mask: torch.Tensor | None) -> torc
     return torch.where(keep, phi_k, torch.zeros_like(phi_k))  # (..., S, M)
 
 
+CAUSAL_METHODS = ("chunkwise", "prefix_sum", "rnn")
+
+# Chosen by measurement (B = 1, H = 8, D = Dv = M = 64, float32, 2 threads, N = 1024..16384,
+# chunk sizes 32..256 timed side by side): see the docstring of linear_attention.
+DEFAULT_CAUSAL_CHUNK = 128
+DEFAULT_PREFIX_SUM_CHUNK = 128
+DEFAULT_NONCAUSAL_CHUNK = 512
+
+
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -205,8 +228,9 @@ def linear_attention(
     is_causal: bool = False,
     eps: float = 1e-6,
     chunk_size: int | None = None,
+    method: str | None = None,
 ) -> torch.Tensor:
-    """Linear attention in ``O(N)``: non-causal by reassociation, causal by prefix sums.
+    """Linear attention in ``O(N)``: non-causal by reassociation, causal chunk by chunk.
 
     Args:
         q, k, v: ``(..., L, D)``, ``(..., S, D)``, ``(..., S, Dv)``.
@@ -214,14 +238,30 @@ def linear_attention(
         feature_map: ``"elu"``, ``"relu"`` or a callable ``(..., N, D) -> (..., N, M)``.
         is_causal: query ``t`` attends to keys ``0..t`` (needs ``L == S``).
         eps: added to the denominator (see the module docstring).
-        chunk_size: positions per chunk. Causal form: per ``cumsum`` (memory ``chunk * M * Dv``;
-            default 128). Non-causal form: keys and queries per pass (default 512).
+        chunk_size: positions per chunk. ``"chunkwise"``: the ``(C, C)`` block of the quadratic
+            form (default 128); ``"prefix_sum"``: positions per ``cumsum`` (memory
+            ``chunk * M * Dv``; default 128); non-causal: keys and queries per pass (default
+            512). Not used by ``"rnn"``.
+        method: how the causal form is computed: ``"chunkwise"`` (default), ``"prefix_sum"`` or
+            ``"rnn"`` (see the module docstring). Only for ``is_causal=True``: the non-causal
+            form has one way.
+
+    The default causal chunk, 128, was chosen by timing chunks of 32, 64, 128 and 256 side by
+    side, interleaved (B = 1, H = 8, D = Dv = M = 64, float32, 2 threads, N = 1024..4096, on a
+    busy 2-core machine, load 13-18): within a chunk the work is ``2 C (M + Dv)`` FLOPs per
+    position, across chunks ``4 M Dv`` (the state's update and its read). Fewer, larger matrix
+    products won over fewer FLOPs: 32 was the slowest at every N, 128 was 8-17% faster than 64
+    in each of three runs, and 256 no faster than 128. The ``(L / C, C, C)`` blocks and the
+    ``(L / C, M, Dv)`` states then hold ``L * C`` and ``L * M * Dv / C`` numbers.
     """
     L, S, mask = _prepare(q, k, v, mask, is_causal=is_causal)
     feature_map = _resolve_feature_map(feature_map)
     eps = _check_eps(eps)
+    method = _check_method(method, is_causal=is_causal, chunk_size=chunk_size)
     if chunk_size is None:
-        chunk_size = 128 if is_causal else 512
+        chunk_size = {"chunkwise": DEFAULT_CAUSAL_CHUNK, "prefix_sum": DEFAULT_PREFIX_SUM_CHUNK}.get(
+            method, DEFAULT_NONCAUSAL_CHUNK
+        )
     chunk_size = check_positive_int("chunk_size", chunk_size)
     out_dtype, compute = q.dtype, _compute_dtype(q.dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
@@ -229,10 +269,30 @@ def linear_attention(
         if is_causal:
             phi_q, phi_k = _features(feature_map, q, k)  # (..., L, M), (..., S, M)
             phi_k = _masked_key_features(phi_k, mask)  # (..., S, M)
-            out = _causal_prefix_sums(phi_q, phi_k, v, eps=eps, chunk_size=chunk_size)
+            if method == "chunkwise":
+                out = _causal_chunkwise(phi_q, phi_k, v, eps=eps, chunk_size=chunk_size)
+            elif method == "prefix_sum":
+                out = _causal_prefix_sums(phi_q, phi_k, v, eps=eps, chunk_size=chunk_size)
+            else:
+                out = _causal_recurrent(phi_q, phi_k, v, eps=eps)
         else:
             out = _noncausal_sums(feature_map, q, k, v, mask, eps=eps, chunk_size=chunk_size)
     return out.to(out_dtype)
+
+
+def _check_method(method: object, *, is_causal: bool, chunk_size: object) -> str | None:
+    if method is None:
+        return "chunkwise" if is_causal else None
+    if not isinstance(method, str) or method not in CAUSAL_METHODS:
+        raise ValueError(f"method must be one of {list(CAUSAL_METHODS)} or None, got {method!r}")
+    if not is_causal:
+        raise ValueError(
+            f"method={method!r} chooses how the causal form is computed; the non-causal form has one way "
+            "(pass is_causal=True, or leave method=None)"
+        )
+    if method == "rnn" and chunk_size is not None:
+        raise ValueError(f"method='rnn' goes one token at a time and takes no chunk_size, got chunk_size={chunk_size!r}")
+    return method
 
 
 def _noncausal_sums(feature_map, q, k, v, mask, *, eps, chunk_size):
@@ -254,6 +314,48 @@ def _noncausal_sums(feature_map, q, k, v, mask, *, eps, chunk_size):
     return torch.cat(outputs, dim=-2)  # (..., L, Dv)
 
 
+def _causal_chunkwise(phi_q, phi_k, v, *, eps, chunk_size):
+    """Chunk by chunk: the masked quadratic form inside a chunk, the running state ``(S, z)`` across chunks.
+
+    For the queries of chunk ``c`` (positions ``t`` in ``[cC, (c+1)C)``)::
+
+        numerator_t   = sum_{j in chunk c, j <= t} (phi(q_t) . phi(k_j)) v_j  +  phi(q_t)^T S_{c-1}
+        denominator_t = sum_{j in chunk c, j <= t}  phi(q_t) . phi(k_j)       +  phi(q_t)^T z_{c-1}
+
+    with the RNN state after chunk ``c``: ``S_c = S_{c-1} + phi(K_c)^T V_c`` ``(M, Dv)`` and
+    ``z_c = z_{c-1} + sum_{j in chunk c} phi(k_j)`` ``(M,)``, ``S_{-1} = 0``, ``z_{-1} = 0``.
+    Every chunk at once: the ``(C, C)`` blocks are one batched matmul, and the recurrence over
+    chunks is a ``cumsum`` of the per-chunk ``phi(K_c)^T V_c``. A Python loop over the chunks (the
+    same maths, exercise 06's stretch task) launches about ten small kernels per chunk: measured
+    3x and 10x slower at N = 1024 and 2048 with 2 threads on a busy 2-core machine, where every
+    launch waits for both threads.
+    """
+    length = phi_q.shape[-2]
+    chunk = min(chunk_size, length)
+    padding = -length % chunk
+    if padding:  # zero keys after the last query are never read (causal); the extra query rows are cut below
+        phi_q, phi_k, v = (F.pad(x, (0, 0, 0, padding)) for x in (phi_q, phi_k, v))  # (..., n C, M|Dv)
+    n = phi_q.shape[-2] // chunk
+    chunk_q = phi_q.unflatten(-2, (n, chunk))  # (..., n, C, M)
+    chunk_k = phi_k.unflatten(-2, (n, chunk))  # (..., n, C, M)
+    chunk_v = v.unflatten(-2, (n, chunk))  # (..., n, C, Dv)
+    # Within each chunk: the masked quadratic form, one (C, C) matmul per chunk.
+    scores = torch.tril(torch.matmul(chunk_q, chunk_k.transpose(-2, -1)))  # (..., n, C, C), keys j <= t
+    numerator = torch.matmul(scores, chunk_v)  # (..., n, C, Dv)
+    denominator = scores.sum(dim=-1, keepdim=True)  # (..., n, C, 1)
+    if n > 1:
+        # Across chunks: S_c = S_{c-1} + phi(K_c)^T V_c, the state after chunks 0..n-2 (the last is never read).
+        state_kv = torch.matmul(chunk_k[..., :-1, :, :].transpose(-2, -1), chunk_v[..., :-1, :, :])  # (..., n-1, M, Dv)
+        state_kv = state_kv.cumsum(dim=-3)  # (..., n-1, M, Dv), S_0 .. S_{n-2}
+        state_z = chunk_k[..., :-1, :, :].sum(dim=-2, keepdim=True).cumsum(dim=-3)  # (..., n-1, 1, M), z_0 .. z_{n-2}
+        # Chunk c >= 1 reads the state its predecessors left: phi(Q_c) S_{c-1} and phi(Q_c) z_{c-1}.
+        later_q = chunk_q[..., 1:, :, :]  # (..., n-1, C, M)
+        numerator[..., 1:, :, :] += torch.matmul(later_q, state_kv)  # (..., n-1, C, Dv)
+        denominator[..., 1:, :, :] += torch.matmul(later_q, state_z.transpose(-2, -1))  # (..., n-1, C, 1)
+    out = (numerator / (denominator + eps)).flatten(-3, -2)  # (..., n C, Dv)
+    return out[..., :length, :]  # (..., L, Dv)
+
+
 def _causal_prefix_sums(phi_q, phi_k, v, *, eps, chunk_size):
     """``out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps)`` with ``S_t``, ``z_t`` from ``cumsum``."""
     batch_shape = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
@@ -272,6 +374,27 @@ def _causal_prefix_sums(phi_q, phi_k, v, *, eps, chunk_size):
         outputs.append(numerator / (denominator + eps))  # (..., C, Dv)
         state_kv, state_z = prefix_kv[..., -1:, :, :], prefix_z[..., -1:, :]  # carry S_t, z_t of the last position
     return torch.cat(outputs, dim=-2)  # (..., L, Dv)
+
+
+def _causal_recurrent(phi_q, phi_k, v, *, eps):
+    """One token at a time, the RNN: ``S_t = S_{t-1} + phi(k_t) v_t^T``, ``z_t = z_{t-1} + phi(k_t)``."""
+    batch_shape = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+    state_kv = phi_q.new_zeros(*batch_shape, phi_q.shape[-1], v.shape[-1])  # (..., M, Dv)
+    state_z = phi_q.new_zeros(*batch_shape, phi_q.shape[-1])  # (..., M)
+    outputs = []
+    for t in range(phi_q.shape[-2]):
+        out, state_kv, state_z = _step(phi_q[..., t, :], phi_k[..., t, :], v[..., t, :], state_kv, state_z, eps=eps)
+        outputs.append(out)  # (..., Dv)
+    return torch.stack(outputs, dim=-2)  # (..., L, Dv)
+
+
+def _step(phi_q, phi_k, v, state_kv, state_z, *, eps):
+    """Add token ``t`` to the state, read out position ``t``: features ``(..., M)``, ``v`` ``(..., Dv)``."""
+    state_kv = state_kv + phi_k[..., :, None] * v[..., None, :]  # (..., M, Dv), S_t = S_{t-1} + phi(k_t) v_t^T
+    state_z = state_z + phi_k  # (..., M), z_t = z_{t-1} + phi(k_t)
+    numerator = torch.matmul(phi_q[..., None, :], state_kv)[..., 0, :]  # (..., Dv)
+    denominator = (phi_q * state_z).sum(dim=-1, keepdim=True)  # (..., 1)
+    return numerator / (denominator + eps), state_kv, state_z
 
 
 def linear_attention_quadratic(
@@ -346,19 +469,19 @@ def linear_attention_step(
     with torch.autocast(device_type=q.device.type, enabled=False):
         phi_q, phi_k = _features(feature_map, q.to(compute)[..., None, :], k.to(compute)[..., None, :])  # (..., 1, M)
         phi_q, phi_k = phi_q[..., 0, :], phi_k[..., 0, :]  # (..., M)
-        update = phi_k[..., :, None] * v.to(compute)[..., None, :]  # (..., M, Dv), phi(k_t) v_t^T
+        v = v.to(compute)
         if state is None:
-            kv, z = update, phi_k
+            kv = phi_q.new_zeros(*torch.broadcast_shapes(phi_k.shape[:-1], v.shape[:-1]), phi_k.shape[-1], v.shape[-1])
+            z = torch.zeros_like(phi_k)
         else:
             if not isinstance(state, LinearAttentionState):
                 raise TypeError(f"state must be a LinearAttentionState or None, got {type(state).__name__}")
-            if state.kv.shape[-2:] != update.shape[-2:]:
+            expected = (phi_k.shape[-1], v.shape[-1])
+            if tuple(state.kv.shape[-2:]) != expected:
                 raise ValueError(
                     f"state.kv is (..., M, Dv) = {shape_str(state.kv.shape)} but this token gives "
-                    f"{shape_str(update.shape)}: was the state made with another feature map or value size?"
+                    f"{shape_str((*phi_k.shape[:-1], *expected))}: was the state made with another feature map or value size?"
                 )
-            kv, z = state.kv + update, state.z + phi_k  # (..., M, Dv), (..., M)
-        numerator = torch.matmul(phi_q[..., None, :], kv)[..., 0, :]  # (..., Dv)
-        denominator = (phi_q * z).sum(dim=-1, keepdim=True)  # (..., 1)
-        out = numerator / (denominator + eps)  # (..., Dv)
+            kv, z = state.kv, state.z  # (..., M, Dv), (..., M)
+        out, kv, z = _step(phi_q, phi_k, v, kv, z, eps=eps)  # (..., Dv), the state after token t
     return out.to(q.dtype), LinearAttentionState(kv, z)

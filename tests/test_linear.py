@@ -11,7 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn_course as ac
+import attn_course.linear as linear_module
+from attn_course.measure import largest_tensor_bytes
 from attn_course.linear import (
+    CAUSAL_METHODS,
     LinearAttentionState,
     RandomFeatureMap,
     elu_feature_map,
@@ -77,18 +80,92 @@ def test_quadratic_form_matches_an_independent_oracle(gen):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 128])
+@pytest.mark.parametrize("method", ["chunkwise", "prefix_sum"])
 @pytest.mark.parametrize("name", FEATURE_MAPS)
-def test_causal_prefix_sums_equal_masked_quadratic_equal_recurrent(gen, name, chunk_size):
+def test_causal_forms_equal_masked_quadratic_equal_recurrent(gen, name, method, chunk_size):
     q, k, v = qkv(gen, 30, grad=True)
     fmap = FEATURE_MAPS[name]
-    prefix = linear_attention(q, k, v, feature_map=fmap, is_causal=True, chunk_size=chunk_size)
+    fast = linear_attention(q, k, v, feature_map=fmap, is_causal=True, chunk_size=chunk_size, method=method)
     quadratic = linear_attention_quadratic(q, k, v, feature_map=fmap, is_causal=True)
     recurrent, state = run_recurrent(q, k, v, fmap)
-    torch.testing.assert_close(prefix, quadratic, **F64)
+    torch.testing.assert_close(fast, quadratic, **F64)
     torch.testing.assert_close(recurrent, quadratic, **F64)
     assert isinstance(state, LinearAttentionState) and state.kv.shape[-2:] == (q.shape[-1] * (2 if name == "favor" else 1), 5)
-    for g, e in zip(torch.autograd.grad(prefix.sum(), (q, k, v)), torch.autograd.grad(quadratic.sum(), (q, k, v))):
+    for g, e in zip(torch.autograd.grad(fast.sum(), (q, k, v)), torch.autograd.grad(quadratic.sum(), (q, k, v))):
         torch.testing.assert_close(g, e, **F64)
+
+
+@pytest.mark.parametrize(
+    "L,chunk_size",
+    [(1, None), (1, 4), (5, None), (64, None), (65, None), (130, None), (33, 8), (32, 8), (9, 10)],
+    ids=["L1", "L1-chunk4", "shorter-than-a-chunk", "one-chunk", "one-past", "two-and-a-bit", "ragged", "exact", "chunk>L"],
+)
+@pytest.mark.parametrize("with_mask", [False, True], ids=["nomask", "padding"])
+@pytest.mark.parametrize("name", FEATURE_MAPS)
+def test_every_causal_method_is_exact_at_any_length(gen, name, with_mask, L, chunk_size):
+    """chunkwise (default), prefix sums and the RNN against the masked quadratic form: float64, gradients, padding."""
+    q, k, v = qkv(gen, L, grad=True)
+    mask = ac.padding_mask([L, max(L // 2, 1)])[:, None, None, :] if with_mask else None  # (B, 1, 1, S)
+    fmap = FEATURE_MAPS[name]
+    expected = linear_attention_quadratic(q, k, v, mask, feature_map=fmap, is_causal=True)
+    expected_grads = torch.autograd.grad((expected * torch.linspace(-1, 1, expected.shape[-1], dtype=torch.float64)).sum(), (q, k, v))
+    for method in (None, *CAUSAL_METHODS):
+        size = None if method == "rnn" else chunk_size
+        got = linear_attention(q, k, v, mask, feature_map=fmap, is_causal=True, chunk_size=size, method=method)
+        torch.testing.assert_close(got, expected, **F64, msg=lambda m, method=method: f"method={method}: {m}")
+        grads = torch.autograd.grad((got * torch.linspace(-1, 1, got.shape[-1], dtype=torch.float64)).sum(), (q, k, v))
+        for g, e in zip(grads, expected_grads):
+            torch.testing.assert_close(g, e, **F64)
+
+
+def test_chunkwise_is_the_default_causal_form(gen, monkeypatch):
+    """A probe on the three paths, and the memory each allocates: the default really is chunkwise."""
+    calls = []
+    for name in ("_causal_chunkwise", "_causal_prefix_sums", "_causal_recurrent"):
+        original = getattr(linear_module, name)
+        monkeypatch.setattr(linear_module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    q, k, v = qkv(gen, 40, batch=(1,))
+    linear_attention(q, k, v, is_causal=True)
+    linear_attention(q, k, v)  # non-causal: none of the three
+    assert calls == ["_causal_chunkwise"]
+    for method, path in (("chunkwise", "_causal_chunkwise"), ("prefix_sum", "_causal_prefix_sums"), ("rnn", "_causal_recurrent")):
+        calls.clear()
+        linear_attention(q, k, v, is_causal=True, method=method)
+        assert calls == [path]
+    monkeypatch.undo()
+    # The prefix-sum path forms (chunk, M, Dv) outer products; the chunkwise one only (C, C) blocks and (M, Dv) states.
+    q, k, v = qkv(gen, 1024, D=64, Dv=64, batch=(1, 2))  # (128, 64, 64) outer products vs (L / 128, 128, 128) blocks
+    default = largest_tensor_bytes(linear_attention, q, k, v, is_causal=True)
+    prefix = largest_tensor_bytes(linear_attention, q, k, v, is_causal=True, method="prefix_sum")
+    assert default == largest_tensor_bytes(linear_attention, q, k, v, is_causal=True, method="chunkwise")
+    assert default <= prefix / 4, (default, prefix)
+
+
+def test_chunkwise_memory_and_kernel_count_grow_as_promised(gen):
+    """O(N) memory (no (N, N) block), and a number of kernels that does not grow with N (no Python loop over chunks)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    sizes, counts = [], []
+    for L in (512, 2048):
+        q, k, v = qkv(gen, L, D=16, Dv=16, batch=(1, 2))
+        sizes.append(largest_tensor_bytes(linear_attention, q, k, v, is_causal=True))
+        with CountOps() as mode:
+            linear_attention(q, k, v, is_causal=True)
+        counts.append(mode.count)
+    assert sizes[1] <= 4 * sizes[0] * 1.01, sizes  # 4x the length, at most 4x the largest tensor (quadratic: 16x)
+    assert counts[0] == counts[1], counts
+    with CountOps() as mode:
+        linear_attention(q, k, v, is_causal=True, method="prefix_sum")
+    assert mode.count > 4 * counts[1]  # the teaching path loops over chunks in Python
 
 
 def test_causal_output_at_t_ignores_the_future(gen):
@@ -270,9 +347,12 @@ q4, k4, v4 = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4,
         ((q4, k4, v4, torch.ones(2, 1, 1, 7)), {}, TypeError, r"boolean key mask.*torch.float32"),
         ((q4, k4, v4), {"eps": -1.0}, ValueError, r"eps must be >= 0, got -1.0"),
         ((q4, k4, v4), {"chunk_size": 0}, ValueError, r"chunk_size must be >= 1, got 0"),
+        ((q4, k4, v4), {"method": "scan"}, ValueError, r"method must be one of \['chunkwise', 'prefix_sum', 'rnn'\] or None, got 'scan'"),
+        ((q4, k4, v4), {"method": "chunkwise"}, ValueError, r"method='chunkwise' chooses how the causal form is computed"),
+        ((k4, k4, v4), {"method": "rnn", "is_causal": True, "chunk_size": 8}, ValueError, r"method='rnn' goes one token at a time and takes no chunk_size"),
         ((q4, k4, v4), {"feature_map": lambda x: x.sum(-1)}, ValueError, r"feature_map must map \(\.\.\., N, D\) to \(\.\.\., N, M\)"),
     ],
-    ids=["unknown-map", "bad-map", "causal-L!=S", "full-mask", "BS-mask", "float-mask", "negative-eps", "zero-chunk", "bad-map-shape"],
+    ids=["unknown-map", "bad-map", "causal-L!=S", "full-mask", "BS-mask", "float-mask", "negative-eps", "zero-chunk", "unknown-method", "method-non-causal", "rnn-chunk", "bad-map-shape"],
 )
 def test_bad_input_errors(args, kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
