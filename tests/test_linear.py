@@ -23,7 +23,6 @@ from attn_course.linear import (
     linear_attention_step,
     relu_feature_map,
 )
-from attn_course.measure import largest_tensor_bytes
 
 F64 = {"atol": 1e-10, "rtol": 1e-10}
 FEATURE_MAPS = {
