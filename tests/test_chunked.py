@@ -285,3 +285,126 @@ def test_bad_input_errors(kwargs, error, pattern):
 def test_query_chunked_rejects_bad_chunk():
     with pytest.raises(ValueError, match=r"chunk_size must be >= 1, got -3"):
         query_chunked_attention(q4, k4, v4, chunk_size=-3)
+
+
+# ----------------------------------------------------------------------------------------
+# Memory stays chunk-sized, forward and backward; masks only where they mask
+
+
+def test_backward_never_forms_the_full_score_matrix(gen):
+    """The recomputing backward works block by block too: its largest tensor is one block or one (L, D) gradient."""
+    L = S = 512
+    q, k, v = qkv(gen, L, S, D=16, Dv=16, batch=(1, 2))
+    block_bytes = 2 * 64 * 128 * 8  # one (B, H, 64, 128) float64 block
+    grad_bytes = 2 * L * 16 * 8  # one (B, H, L, D) gradient
+
+    def train_step(recompute):
+        out = chunked_attention(q, k, v, query_chunk_size=64, key_chunk_size=128, recompute=recompute)
+        out.square().sum().backward()
+
+    assert largest_tensor_bytes(train_step, True) <= max(block_bytes, grad_bytes)
+    q.grad = k.grad = v.grad = None
+    # The measurement sees what a backward pass creates: dense attention's backward builds (L, S) matrices.
+    def dense_step():
+        dense(q, k, v).square().sum().backward()
+
+    assert largest_tensor_bytes(dense_step) >= 2 * L * S * 8
+
+
+def test_default_blocks_are_chunk_sized(gen):
+    """With the default chunk sizes no forward tensor is larger than one 512 x 1024 block, at any length."""
+    L = S = 3072
+    q, k, v = (x.detach() for x in qkv(gen, L, S, D=8, Dv=8, batch=(1, 1), grad=False))
+    largest = largest_tensor_bytes(chunked_attention, q, k, v)
+    assert largest <= 512 * 1024 * 8, largest  # one float64 block, not (L, S) = 18x larger
+
+
+class _CountOps(torch.overrides.TorchFunctionMode):
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.count = names, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.names:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "is_causal,with_mask,expected",
+    [
+        (False, False, 0),  # no mask: no block is masked
+        (True, False, 4),  # 4 x 4 blocks of 16, causal: only the 4 on the diagonal cross it
+        (False, True, 16),  # a mask touches every block
+    ],
+    ids=["plain", "causal", "mask"],
+)
+def test_masks_only_the_blocks_a_mask_touches(gen, monkeypatch, is_causal, with_mask, expected):
+    """``masked_fill`` runs once per block that has a blocked pair, in the forward pass and again in the backward."""
+    import attn_course.chunked as chunked_module
+
+    q, k, v = qkv(gen, 64, 64, batch=(1, 2))
+    mask = torch.rand(64, 64, generator=gen) < 0.5 if with_mask else None
+    counter = _CountOps({"masked_fill", "masked_fill_"})
+    with counter:
+        out = chunked_attention(q, k, v, mask, query_chunk_size=16, key_chunk_size=16, is_causal=is_causal)
+    assert counter.count == expected
+    # The backward runs on autograd's thread, where a TorchFunctionMode is not active: count the blocks
+    # that the shared helper hands it a mask for instead.
+    masked_blocks = []
+    original = chunked_module._blocked
+
+    def counting(*args, **kwargs):
+        blocked = original(*args, **kwargs)
+        masked_blocks.append(blocked is not None)
+        return blocked
+
+    monkeypatch.setattr(chunked_module, "_blocked", counting)
+    out.sum().backward()
+    assert len(masked_blocks) == (10 if is_causal else 16)  # blocks recomputed: causal skips the 6 in the future
+    assert sum(masked_blocks) == expected
+
+
+_PEAK_SCRIPT = r"""
+import json, sys, torch
+from attn_course.chunked import chunked_attention
+from attn_course.attention import scaled_dot_product_attention
+from attn_course.measure import peak_memory_bytes
+torch.set_num_threads(1)
+name, L = sys.argv[1], int(sys.argv[2])
+q, k, v = (torch.randn(1, 2, L, 64, requires_grad=True) for _ in range(3))  # (B, H, L, D), float32
+fns = {"dense": lambda: scaled_dot_product_attention(q, k, v, fused=False),
+       "chunked": lambda: chunked_attention(q, k, v, query_chunk_size=256, key_chunk_size=256)}
+def step(L_=None):
+    fns[name]().sum().backward()
+    q.grad = k.grad = v.grad = None
+small = [x[..., :64, :].detach().clone().requires_grad_() for x in (q, k, v)]
+(chunked_attention if name == "chunked" else scaled_dot_product_attention)(*small).sum().backward()  # warm up
+print(json.dumps(peak_memory_bytes(step)))
+"""
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="peak RSS (VmHWM) is Linux's")
+def test_training_peak_memory_is_chunk_sized_measured():
+    """Peak memory of a training step, measured (peak RSS in a fresh process): chunked stays near its
+    inputs, gradients and blocks, dense holds (L, L) matrices; doubling L doubles chunked's peak, not 4x."""
+    import json
+    import subprocess
+    import sys
+
+    def peak(name, L):
+        result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, name, str(L)], capture_output=True, text=True,
+                                check=True)
+        measured = json.loads(result.stdout.strip().splitlines()[-1])
+        assert measured["error"] is None, measured
+        return measured["bytes"]
+
+    L = 2048
+    matrix = 2 * L * L * 4  # one (B, H, L, L) float32 matrix: 32 MiB
+    chunked, dense_peak = peak("chunked", L), peak("dense", L)
+    assert dense_peak >= 2 * matrix, dense_peak  # the measurement sees dense's score and weight matrices
+    # chunked: out, grads and a few (B, H, L, D) tensors (1 MiB each) plus (B, H, 256, 256) blocks (0.5 MiB);
+    # measured 9.3 MiB, against 32 MiB for one (L, L) matrix and over 64 MiB for dense
+    assert chunked <= matrix / 2, (chunked, matrix)
+    assert chunked <= dense_peak / 6, (chunked, dense_peak)
+    assert peak("chunked", 2 * L) <= 3 * max(chunked, 2**20), "chunked's peak grew faster than linearly in L"
