@@ -253,8 +253,9 @@ ZIGZAG_POSITIONS = Task(
 
 
 def _partial(q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False, running=None):
-    return tuple(library_ring_step(running, q, k, v, q_positions=q_positions, k_positions=k_positions,
-                                   key_padding_mask=key_padding_mask, is_causal=is_causal))
+    """The library's step, as the PartialAttention the task statement names (a named (acc, row_max, row_sum) tuple)."""
+    return PartialAttention(*library_ring_step(running, q, k, v, q_positions=q_positions, k_positions=k_positions,
+                                               key_padding_mask=key_padding_mask, is_causal=is_causal))
 
 
 def _ring_step_cases() -> list[Case]:
@@ -498,6 +499,21 @@ def _ring_step_reference(running, q, k, v, q_positions, k_positions, key_padding
     return _by_hand(running, q, k, v, q_positions, k_positions, key_padding_mask, is_causal)
 
 
+def _ring_step_with_lesson_07_helpers(running, q, k, v, q_positions, k_positions, key_padding_mask=None,
+                                      is_causal=False):
+    """Correct: ac.partial_attention on the masked scores, then ac.merge_partials straight on `running` as passed."""
+    import attn_course as ac
+
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)  # (Lq, Lk)
+    if is_causal:
+        allowed = k_positions[None, :] <= q_positions[:, None]  # (Lq, Lk), global positions
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]  # (B, 1, Lq, Lk)
+    block = ac.partial_attention(scores.masked_fill(~allowed, float("-inf")), v)
+    return block if running is None else ac.merge_partials(running, block)
+
+
 def _ring_step_from_scratch(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
     """Correct: written out without lesson 07's helpers, with einsum and torch.where."""
     scores = torch.einsum("bhld,bhsd->bhls", q, k) / q.shape[-1] ** 0.5  # (B, H, Lq, Lk)
@@ -602,7 +618,9 @@ RING_STEP = Task(
         ),
         "calls attn_course.ring_step": Wrong(_ring_step_delegates, "you called attn_course.ring_step", kind="algorithm"),
     },
-    accepted={"written out without lesson 07's helpers (einsum, torch.where)": _ring_step_from_scratch},
+    accepted={"written out without lesson 07's helpers (einsum, torch.where)": _ring_step_from_scratch,
+              "ac.partial_attention, then ac.merge_partials on running as the grader passes it":
+                  _ring_step_with_lesson_07_helpers},
     measure=("largest",),
     forbidden=("attn_course.distributed.ring.ring_step", "attn_course.distributed.ring.ring_attention"),
 )
