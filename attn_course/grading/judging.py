@@ -34,6 +34,7 @@ __all__ = [
     "expect_inputs_unchanged",
     "expect_largest_below",
     "expect_flops_at_most",
+    "expect_widest_below",
 ]
 
 NOT_IMPLEMENTED = "not implemented yet: replace the `raise NotImplementedError` line with your code"
@@ -156,4 +157,20 @@ def expect_flops_at_most(outcome: Outcome, limit: float, *, what: str, intended:
         raise Fail(
             f"{what}: your function did about {flops:,} operations; the intended algorithm needs about "
             f"{int(intended):,} (this check allows {limit / max(intended, 1):.3g} times that). {hint}"
+        )
+
+
+def expect_widest_below(outcome: Outcome, limit: int, *, what: str, constraint: str) -> None:
+    """Fail when one op combined ``limit`` or more entries at once (needs ``measure=("widest",)``).
+
+    Per computation, not per batch: a softmax over one (batch, head) slice's S keys is as wide as
+    the batched one. ``constraint`` says what the algorithm never reduces over, and why.
+    """
+    width = _measured(outcome, "widest_reduction", what)
+    if width >= limit:
+        shape = outcome.probe.get("widest_shape") or "?"
+        op = outcome.probe.get("widest_op") or "?"
+        raise Fail(
+            f"{what}: your function combined {width} entries at once ({op} over the last axis or axes of a {shape} "
+            f"tensor; the limit is below {limit}): {constraint}"
         )

@@ -47,18 +47,8 @@ def _returned_number(outcome: Outcome, *, what: str, whole: bool = False) -> flo
 
 
 def _numbers(cases, outcomes, *, whole: bool = False) -> list[tuple[Case, float]]:
-    """``(case, number)`` for the cases where the learner returned; like ``_common.answered`` for numbers."""
-    results, first_failure = [], None
-    for case, outcome in zip(cases, outcomes):
-        try:
-            results.append((case, _returned_number(outcome, what=case.name, whole=whole)))
-        except Fail as failure:
-            if outcome.not_implemented or outcome.error is None:
-                raise
-            first_failure = first_failure or failure
-    if not results and first_failure is not None:
-        raise first_failure
-    return results
+    """``(case, number)`` for every case; like ``_common.answered``, a case that raised fails the check."""
+    return [(case, _returned_number(outcome, what=case.name, whole=whole)) for case, outcome in zip(cases, outcomes)]
 
 
 # --- 04.attention_flops --------------------------------------------------------------------
