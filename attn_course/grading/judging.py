@@ -92,7 +92,7 @@ def expect_finite(t: torch.Tensor, *, what: str, hint: str = "") -> None:
 
 
 def expect_close(
-    got: torch.Tensor, expected: torch.Tensor, *, what: str, atol: float = 1e-6, rtol: float = 1e-5, hint: str = ""
+    got: torch.Tensor, expected: torch.Tensor, *, what: str, atol: float = 1e-6, rtol: float = 1e-5, hint="",
 ) -> None:
     """Fail saying how far ``got`` is from ``expected`` and how far is allowed.
 
@@ -105,6 +105,8 @@ def expect_close(
     got64, exp64 = got.detach().to(torch.float64), expected.detach().to(torch.float64)
     if torch.allclose(got64, exp64, atol=atol, rtol=rtol, equal_nan=False):
         return
+    if callable(hint):  # a diagnosis tries several variants: compute it only for a wrong answer
+        hint = hint() or ""
     error = _errors(got64, exp64)
     worst = worst_index(got64, exp64, atol=atol, rtol=rtol)
     relative = error / exp64.abs().clamp_min(torch.finfo(torch.float64).tiny)

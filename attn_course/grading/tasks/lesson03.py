@@ -379,7 +379,7 @@ def _judge_masked(cases, outcomes):
             got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
             expected = scaled_dot_product_attention(q, k, v, mask)
             expect_shape(got, expected.shape, what=case.name)
-            hint = _diagnose_masked(got, q, k, v, mask) or ""
+            hint = lambda: _diagnose_masked(got, q, k, v, mask) or ""  # computed only for a wrong answer
             expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("a query with nothing to attend to gets zeros, not NaN"):
         for index, atol in ((_EMPTY_ROW, 1e-9), (_LEFT_PADDED, 1e-5)):

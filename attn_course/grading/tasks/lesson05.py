@@ -353,7 +353,7 @@ def _judge_block(cases, outcomes):
                     "torch.where on the rows that have a key), as dense attention does."
                 )
             atol = 1e-5 if case.args[0].dtype == torch.float32 else 1e-9
-            expect_close(got, expected, what=case.name, atol=atol, rtol=atol, hint=_diagnose_block(got, *case.args) or "")
+            expect_close(got, expected, what=case.name, atol=atol, rtol=atol, hint=lambda: _diagnose_block(got, *case.args) or "")
 
     for title, indices in (
         ("queries see only their own block (L a multiple of block_size)", (_MULTIPLE,)),
@@ -655,7 +655,7 @@ def _judge_dilated(cases, outcomes):
                 expected = _dilated_expected(*case.args)
                 atol = 1e-5 if case.args[0].dtype == torch.float32 else 1e-9
                 expect_close(got, expected, what=case.name, atol=atol, rtol=atol,
-                             hint=_diagnose_dilated(got, *case.args) or "")
+                             hint=lambda: _diagnose_dilated(got, *case.args) or "")
     with checklist.check("never forms an (L, L) tensor, not even the mask: every intermediate stays below L * L"):
         for index in (_DILATED_LONG, _DILATED_LONG_2):
             case, outcome = cases[index], outcomes[index]

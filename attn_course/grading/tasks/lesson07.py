@@ -207,7 +207,7 @@ def _judge_merge(cases, outcomes):
             expected = merge_partials(PartialAttention(*first), PartialAttention(*second))
             expect_finite(acc, what=f"{case.name}: acc")
             expect_close(acc, expected.acc, what=f"{case.name}: acc", atol=1e-9, rtol=1e-7,
-                         hint=_diagnose_merge_acc(acc, first, second) or "")
+                         hint=lambda: _diagnose_merge_acc(acc, first, second) or "")
             hint = ""
             if torch.allclose(row_sum.double(), (first[2] + second[2]).double()):
                 hint = "row_sum must be rescaled with the same factors as acc: l = l1 * exp(m1 - m) + l2 * exp(m2 - m)."
@@ -500,7 +500,7 @@ def _judge_online(cases, outcomes):
                 raise Fail(f"{case.name}: NaN in a row with no allowed key: {_EMPTY_ROW_HINT}")
             if not _close(got, expected, 1e-9):
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-9,
-                             hint=_diagnose_online(got, q, k, v, chunk_size, mask) or "")
+                             hint=lambda: _diagnose_online(got, q, k, v, chunk_size, mask) or "")
     with checklist.check("never forms an (L, S) matrix: every intermediate stays below one (..., L, S) score matrix"):
         for index in (_ONLINE_LONG, _ONLINE_LONG_PADDED):
             case, outcome = cases[index], outcomes[index]
@@ -862,7 +862,7 @@ def _judge_causal(cases, outcomes):
                 expect_shape(got, expected.shape, what=case.name)
                 if not _close(got, expected, 1e-9):
                     expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-9,
-                                 hint=_diagnose_causal(got, q, k, v, chunk) or "")
+                                 hint=lambda: _diagnose_causal(got, q, k, v, chunk) or "")
     with checklist.check("skips the future: the work of the blocks on or below the diagonal only "
                          f"(within {_CAUSAL_FLOP_FACTOR}x)"):
         for index in (_CAUSAL_LONG, _CAUSAL_LONG_WIDE):

@@ -183,7 +183,7 @@ def _judge_entropy(cases, outcomes):
                 if torch.isnan(got).any() and ((weights == 0).any() or weights.dtype == torch.float16):
                     raise Fail(_nan_message(case, weights))
                 expected = attention_entropy(weights.double())  # the exact entropy of the weights as given
-                expect_close(got.double(), expected, what=case.name, hint=_diagnose_entropy(got, weights) or "",
+                expect_close(got.double(), expected, what=case.name, hint=lambda: _diagnose_entropy(got, weights) or "",
                              **_entropy_tolerance(weights, expected))
     with checklist.check("leaves the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -342,7 +342,7 @@ def _judge_qk(cases, outcomes):
             got = returned(outcome, what=case.name)
             expected = _qk_reference(*case.args)
             expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_qk(got, *case.args) or "")
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("a zero query vector gives a finite (uniform) row, not NaN"):
         case, outcome = cases[_QK_ZERO], outcomes[_QK_ZERO]
         got = returned(outcome, what=case.name)
@@ -353,7 +353,7 @@ def _judge_qk(cases, outcomes):
                 f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: divide by "
                 "x.norm(dim=-1, keepdim=True).clamp_min(1e-12), or use F.normalize(x, dim=-1), which does that."
             )
-        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_qk(got, *case.args) or "")
+        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("works in float32"):
         case, outcome = cases[_QK_FLOAT32], outcomes[_QK_FLOAT32]
         got = returned(outcome, what=case.name)

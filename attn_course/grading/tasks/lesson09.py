@@ -314,7 +314,7 @@ def _judge_embed(cases, outcomes):
                 expected = _embed_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-12, rtol=0,
-                             hint=_diagnose_embed(got, *case.args) or "")
+                             hint=lambda: _diagnose_embed(got, *case.args) or "")
     with checklist.check("leaves the patches, class token and positions unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -471,7 +471,7 @@ def _judge_vit(cases, outcomes):
                 expected = _vit_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7,
-                             hint=_diagnose_vit(got, case.args) or "")
+                             hint=lambda: _diagnose_vit(got, case.args) or "")
     with checklist.check("leaves x and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_RESHAPE_HINTS):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -644,7 +644,7 @@ def _judge_sincos(cases, outcomes):
                 expected = _sincos_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-5,
-                             hint=_diagnose_sincos(got, case.args) or "")
+                             hint=lambda: _diagnose_sincos(got, case.args) or "")
     with checklist.check("a dim that is not a multiple of 4 raises ValueError"):
         for index in _BAD:
             case, outcome = cases[index], outcomes[index]

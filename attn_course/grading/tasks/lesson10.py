@@ -396,7 +396,7 @@ def _judge_conv(cases, outcomes):
                 # Padded frames are free: take the expected value there, so a failure names (b, t, e).
                 real = keep[:, :, None]  # (B, T, 1)
                 expect_close(torch.where(real, got, expected), expected, what=f"{case.name} (real frames)", atol=1e-9,
-                             rtol=1e-7, hint=_diagnose_conv(got[keep], x, keep, weights) or "")
+                             rtol=1e-7, hint=lambda: _diagnose_conv(got[keep], x, keep, weights) or "")
     with checklist.check("leaves x, keep and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             _expect_unchanged(case, outcome, what=case.name)
