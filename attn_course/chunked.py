@@ -109,18 +109,29 @@ def merge_partials(first: PartialAttention, second: PartialAttention) -> Partial
     """Combine two partial results over disjoint sets of keys (the online-softmax step).
 
     Both are rescaled to the common maximum ``m = max(m1, m2)``: ``acc = acc1 * exp(m1 - m)
-    + acc2 * exp(m2 - m)`` and the same for ``row_sum``. Order does not matter.
+    + acc2 * exp(m2 - m)`` and the same for ``row_sum``. Order does not matter. Either argument
+    may be a :class:`PartialAttention` or any ``(acc, row_max, row_sum)`` tuple or list.
     """
-    new_max = torch.maximum(first.row_max, second.row_max)  # (..., L, 1)
+    (acc1, max1, sum1), (acc2, max2, sum2) = _triple(first, "first"), _triple(second, "second")
+    new_max = torch.maximum(max1, max2)  # (..., L, 1)
     # Where both are -inf (no key yet) use 0, so exp(-inf - 0) = 0 instead of exp(nan).
     safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))  # (..., L, 1)
-    first_scale = torch.exp(first.row_max - safe_max)  # (..., L, 1), in [0, 1]
-    second_scale = torch.exp(second.row_max - safe_max)  # (..., L, 1), in [0, 1]
+    first_scale = torch.exp(max1 - safe_max)  # (..., L, 1), in [0, 1]
+    second_scale = torch.exp(max2 - safe_max)  # (..., L, 1), in [0, 1]
     return PartialAttention(
-        acc=first.acc * first_scale + second.acc * second_scale,  # (..., L, Dv)
+        acc=acc1 * first_scale + acc2 * second_scale,  # (..., L, Dv)
         row_max=new_max,
-        row_sum=first.row_sum * first_scale + second.row_sum * second_scale,  # (..., L, 1)
+        row_sum=sum1 * first_scale + sum2 * second_scale,  # (..., L, 1)
     )
+
+
+def _triple(partial, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(acc, row_max, row_sum)`` of a PartialAttention or a plain 3-tuple; TypeError naming what it got."""
+    if isinstance(partial, (tuple, list)) and len(partial) == 3 and all(isinstance(t, torch.Tensor) for t in partial):
+        return tuple(partial)
+    got = type(partial).__name__ + (f" of length {len(partial)}" if isinstance(partial, (tuple, list)) else "")
+    raise TypeError(f"merge_partials: {name} must be a PartialAttention or an (acc, row_max, row_sum) tuple of "
+                    f"tensors, got a {got}")
 
 
 def finish_partial(partial: PartialAttention) -> torch.Tensor:

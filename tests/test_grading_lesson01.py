@@ -173,3 +173,24 @@ def test_the_empty_row_hint_teaches_without_writing_the_code():
     assert "shift" in result.feedback.lower() and "0 / 0" in result.feedback
     for code in ("torch.where", "isfinite", "clamp_min", "tiny"):
         assert code not in result.feedback, code
+
+
+def test_a_value_mismatch_says_how_far_how_much_is_allowed_and_that_it_looks_like_float32():
+    """Issue 20: "at index (1, 3, 0) you return 1.16967, expected 1.16967" could not guide a fix."""
+    import torch
+
+    from attn_course.grading import TASKS, grade_function
+
+    def attention_in_float32(q, k, v):
+        q32, k32, v32 = q.float(), k.float(), v.float()
+        weights = torch.softmax(q32 @ k32.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)  # (..., L, S)
+        return (weights @ v32).to(q.dtype)
+
+    feedback = grade_function(TASKS["01.attention"], attention_in_float32).feedback
+    assert "Largest error" in feedback and "absolute" in feedback and "relative" in feedback
+    assert "allowed: |yours - expected| <= 1e-09 + 1e-07 * |expected|" in feedback
+    assert "float32 rounding" in feedback
+    import re
+
+    index, row = re.search(r"at index \(([\d, ]+)\) \(row \(([\d, ]+)\)", feedback).groups()
+    assert index.split(", ")[:-1] == row.split(", ")  # the row is the index's own

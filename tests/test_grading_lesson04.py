@@ -127,3 +127,16 @@ def test_the_big_o_hint_teaches_the_rule_without_the_answer():
     result = grade_function(TASKS["04.attention_flops"], lambda B, H, L, S, D, Dv: L * L * D)
     assert "Big-O keeps only how the cost grows" in result.feedback and "2·m·k·n" in result.feedback
     assert "2·L·S·D" not in result.feedback and "D + Dv" not in result.feedback
+
+
+def test_a_hint_is_said_only_when_the_learners_other_answers_fit_it():
+    """Issue 20: counting a tensor every time it is saved, with element_size() right, gives 4 bytes per element in
+    float16 (x * x saves x twice); the float64 cases rule the "4 bytes per element" story out, so it is not told."""
+    from attn_course.grading import TASKS, grade_function
+
+    task = TASKS["04.saved_tensor_bytes"]
+    feedback = grade_function(task, task.wrong["a tensor saved twice counted twice"].fn).feedback
+    assert "counted a tensor every time it was saved" in feedback
+    assert "assumed 4 bytes per element" not in feedback
+    float32 = grade_function(task, task.wrong["4 bytes per element whatever the dtype"].fn).feedback
+    assert "assumed 4 bytes per element" in float32 and "every time it was saved" not in float32

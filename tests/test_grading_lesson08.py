@@ -200,3 +200,14 @@ def test_entropy_cases_hold_zero_weights_in_every_low_precision_case():
     low = [case.args[0] for case in cases if case.args[0].dtype in (torch.float16, torch.bfloat16)]
     assert len(low) == 3 and all((w == 0).any() for w in low)
     assert any((w == 0).all(-1).any() for w in low), "a fully masked row in half precision"
+
+
+def test_checking_grad_output_is_not_told_it_kept_the_last_module():
+    """Issue 20: keeping the first report but testing grad_output was told "You kept the LAST module to report"."""
+    from attn_course.grading import TASKS, grade_function
+
+    task = TASKS["08.first_nonfinite_gradient"]
+    feedback = grade_function(task, task.wrong["checks grad_output instead of grad_input"].fn).feedback
+    assert "ARRIVING" in feedback and "LAST module" not in feedback
+    last = grade_function(task, task.wrong["returns the last module to report"].fn).feedback
+    assert "LAST module" in last and "ARRIVING" not in last

@@ -290,3 +290,34 @@ def test_the_batch_runner_records_the_probes_in_its_saved_outcomes(tmp_path: Pat
         c.name for c in grade_function(task, Shell.user_ns["linear_attention"]).checks if not c.passed
     ]
     assert any("never forms the (L, S)" in c.message for c in checks)
+
+
+def test_widest_sees_one_slices_softmax_as_wide_as_the_batched_one():
+    """Issue 20: a limit per batch let dense attention done one (batch, head) slice at a time through."""
+    import torch
+
+    from attn_course.grading.probes import probe_call
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 10, 4, generator=g), torch.randn(2, 2, 12, 4, generator=g)
+    batched = probe_call(lambda: torch.softmax(q @ k.mT, -1), measure=("widest",))
+    sliced = probe_call(lambda: [torch.softmax(q[b, h] @ k[b, h].T, -1) for b in range(2) for h in range(2)],
+                        measure=("widest",))
+    chunked = probe_call(lambda: [(q @ k[..., s:s + 3, :].mT).amax(-1) for s in range(0, 12, 3)], measure=("widest",))
+    bookkeeping = probe_call(lambda: (torch.rand(10, 12) < 0.5).any(-1), measure=("widest",))
+    assert batched["widest_reduction"] == sliced["widest_reduction"] == 12
+    assert (batched["widest_op"], sliced["widest_shape"]) == ("aten._softmax", "10 x 12")
+    assert chunked["widest_reduction"] == 4  # the products contract over D = 4, the maxima span 3 keys
+    assert bookkeeping["widest_reduction"] == 0  # a bool reduction is not a softmax
+
+
+def test_the_first_probe_does_not_import_torch_dynamo():
+    """Issue 20 item 9: PyTorch's dispatch-mode wrapper imported torch._dynamo (about 800 modules) on the first op."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom attn_course.grading.probes import Probe\nx = torch.randn(3, 3)\n"
+            "with Probe(measure=('largest', 'flops', 'widest')):\n    torch.softmax(x @ x, -1)\n"
+            "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

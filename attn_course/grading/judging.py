@@ -34,6 +34,8 @@ __all__ = [
     "expect_inputs_unchanged",
     "expect_largest_below",
     "expect_flops_at_most",
+    "expect_widest_below",
+    "worst_index",
 ]
 
 NOT_IMPLEMENTED = "not implemented yet: replace the `raise NotImplementedError` line with your code"
@@ -90,19 +92,67 @@ def expect_finite(t: torch.Tensor, *, what: str, hint: str = "") -> None:
 
 
 def expect_close(
-    got: torch.Tensor, expected: torch.Tensor, *, what: str, atol: float = 1e-6, rtol: float = 1e-5, hint: str = ""
+    got: torch.Tensor, expected: torch.Tensor, *, what: str, atol: float = 1e-6, rtol: float = 1e-5, hint="",
 ) -> None:
-    """Fail naming the worst entry when ``got`` differs from ``expected``."""
+    """Fail saying how far ``got`` is from ``expected`` and how far is allowed.
+
+    The message gives the largest absolute and relative errors, the tolerance
+    (``|got - expected| <= atol + rtol * |expected|``), the entry that breaks it by the most with its
+    row (the index without its last axis, the same row the values are printed from), and, when a
+    float64 answer is off by about float32's rounding, that it was probably computed in float32.
+    """
     expect_shape(got, expected.shape, what=what)
     got64, exp64 = got.detach().to(torch.float64), expected.detach().to(torch.float64)
     if torch.allclose(got64, exp64, atol=atol, rtol=rtol, equal_nan=False):
         return
-    diff = (got64 - exp64).abs().nan_to_num(nan=float("inf"))
-    worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
-    raise Fail(
-        f"{what} is wrong: at index {worst} you return {got64[worst].item():.6g}, expected "
-        f"{exp64[worst].item():.6g}." + (f" {hint}" if hint else "")
+    if callable(hint):  # a diagnosis tries several variants: compute it only for a wrong answer
+        hint = hint() or ""
+    error = _errors(got64, exp64)
+    worst = worst_index(got64, exp64, atol=atol, rtol=rtol)
+    relative = error / exp64.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    finite = torch.isfinite(error)
+    max_abs = float(error[finite].max()) if finite.any() else float("inf")
+    max_rel = float(relative[finite].max()) if finite.any() else float("inf")
+    where = f"at index {worst}" if worst else "the value"
+    if len(worst) >= 2:
+        row = worst[:-1]
+        where += f" (row {row}: yours {_row_text(got64[row])}, expected {_row_text(exp64[row])})"
+    message = (
+        f"{what} is wrong: {where} you return {got64[worst].item():.10g}, expected {exp64[worst].item():.10g}. "
+        f"Largest error {max_abs:.3g} absolute, {max_rel:.3g} relative; allowed: |yours - expected| <= "
+        f"{atol:g} + {rtol:g} * |expected|."
     )
+    if expected.dtype == torch.float64 and got.dtype == torch.float64 and finite.all() and 0 < max_rel < 1e-4:
+        scale = exp64.abs().max().clamp_min(1e-300)
+        if float(error.max() / scale) < 2e-6:  # a few float32 ulps of the largest value, not a wrong formula
+            message += (" An error this size is float32 rounding (about 1e-7 relative): the inputs are float64, so "
+                        "keep every step in float64 (no .float(), no torch.tensor(..., dtype=torch.float32), no "
+                        "float32 constants from torch.zeros without dtype=).")
+    raise Fail(message + (f" {hint}" if hint else ""))
+
+
+def _errors(got64: torch.Tensor, exp64: torch.Tensor) -> torch.Tensor:
+    """``|got - expected|``, 0 where both are NaN, inf where only one is."""
+    error = (got64 - exp64).abs()
+    same_nan = torch.isnan(got64) & torch.isnan(exp64)
+    return torch.where(same_nan, torch.zeros_like(error), error.nan_to_num(nan=float("inf"), posinf=float("inf")))
+
+
+def worst_index(got: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float) -> tuple[int, ...]:
+    """The index of the entry that breaks ``|got - expected| <= atol + rtol * |expected|`` by the most.
+
+    ``expect_close`` names this entry; a judge that adds a hint about the entry's row uses it too,
+    so the index and the row in one message always agree.
+    """
+    got64, exp64 = got.detach().to(torch.float64), expected.detach().to(torch.float64)
+    excess = _errors(got64, exp64) - (atol + rtol * exp64.abs().nan_to_num(nan=0.0, posinf=0.0))
+    return tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape)) if excess.dim() else ()
+
+
+def _row_text(row: torch.Tensor, limit: int = 6) -> str:
+    """A short text of one row's values (the first ``limit`` of them)."""
+    values = [f"{v:.8g}" for v in row.flatten()[:limit].tolist()]
+    return "[" + ", ".join(values) + (", ..." if row.numel() > limit else "") + "]"
 
 
 def expect_inputs_unchanged(case: Case, outcome: Outcome, *, what: str = "your function") -> None:
@@ -156,4 +206,20 @@ def expect_flops_at_most(outcome: Outcome, limit: float, *, what: str, intended:
         raise Fail(
             f"{what}: your function did about {flops:,} operations; the intended algorithm needs about "
             f"{int(intended):,} (this check allows {limit / max(intended, 1):.3g} times that). {hint}"
+        )
+
+
+def expect_widest_below(outcome: Outcome, limit: int, *, what: str, constraint: str) -> None:
+    """Fail when one op combined ``limit`` or more entries at once (needs ``measure=("widest",)``).
+
+    Per computation, not per batch: a softmax over one (batch, head) slice's S keys is as wide as
+    the batched one. ``constraint`` says what the algorithm never reduces over, and why.
+    """
+    width = _measured(outcome, "widest_reduction", what)
+    if width >= limit:
+        shape = outcome.probe.get("widest_shape") or "?"
+        op = outcome.probe.get("widest_op") or "?"
+        raise Fail(
+            f"{what}: your function combined {width} entries at once ({op} over the last axis or axes of a {shape} "
+            f"tensor; the limit is below {limit}): {constraint}"
         )

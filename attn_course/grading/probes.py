@@ -19,6 +19,16 @@ What is measured (keys of ``outcome.probe``)
     allocates nothing new, so ``mask.expand(L, S)`` is free while ``mask.expand(L, S).clone()``
     or ``torch.zeros(L, S)`` counts ``L * S``. Elements, not bytes: a bool ``(L, S)`` mask is as
     quadratic as a float one.
+``widest_reduction``, ``widest_shape``, ``widest_op`` (``measure=("widest",)``)
+    The longest axis one op combined at once, with the shape it read and the op: the contraction
+    axis of a matrix product (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``dot``, ``mv``; ``matmul``
+    and ``einsum`` reach these), the axis of a softmax or log-softmax, and the axes of a
+    ``sum``/``mean``/``amax``/``amin``/``max``/``min``/``logsumexp``/``prod``/``var``/``std``
+    along given dims (their product when several). Floating-point inputs only (``mask.any(-1)``
+    is bookkeeping, not a softmax); a reduction of a whole tensor (no dim) is not counted. It is
+    measured per computation, not per batch: the softmax of one (batch, head) slice's ``(L, S)``
+    scores reduces over ``S`` exactly as the batched one does, so an algorithm that must never
+    look at all ``S`` keys of a row at once (the online softmax) is caught however it loops.
 ``flops`` (``measure=("flops",)``)
     Work done during the call, counted in the same dispatch mode: matrix products and
     convolutions exactly as :class:`torch.utils.flop_counter.FlopCounterMode` counts them
@@ -96,7 +106,7 @@ __all__ = [
     "delegation_message",
 ]
 
-MEASURES = ("largest", "flops")
+MEASURES = ("largest", "flops", "widest")
 
 # PyTorch's fused attention kernels at the aten level: whatever Python route reached them.
 FUSED_ATTENTION = (
@@ -262,12 +272,55 @@ def _storage_key(t: torch.Tensor) -> int | None:
 _MEASURING_ERRORS = (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError, AssertionError)
 
 
+# Matrix products: which argument holds the contraction axis as its last dim.
+_PRODUCTS = {"aten.mm": 0, "aten.bmm": 0, "aten.mv": 0, "aten.dot": 0, "aten.vdot": 0,
+             "aten.addmm": 1, "aten.baddbmm": 1, "aten.addbmm": 1, "aten.addmv": 1}
+_SOFTMAXES = {"aten._softmax", "aten._log_softmax", "aten._safe_softmax", "aten.softmax", "aten.log_softmax"}
+_REDUCTIONS = {"aten.sum", "aten.mean", "aten.amax", "aten.amin", "aten.logsumexp", "aten.prod", "aten.nansum",
+               "aten.var", "aten.std", "aten.var_mean", "aten.std_mean", "aten.max", "aten.min", "aten.norm",
+               "aten.linalg_vector_norm"}
+
+
+def _reduced_extent(func, args, kwargs) -> tuple[int, torch.Tensor | None]:
+    """``(extent, tensor read)``: how many entries this op combined at once along its reduced axes (0: none)."""
+    name = str(func._overloadpacket)
+    if name in _PRODUCTS:
+        source = args[_PRODUCTS[name]] if len(args) > _PRODUCTS[name] else None
+        if isinstance(source, torch.Tensor) and source.dim() >= 1 and source.is_floating_point():
+            return int(source.shape[-1]), source
+        return 0, None
+    if name not in _SOFTMAXES and name not in _REDUCTIONS:
+        return 0, None
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor) or not source.is_floating_point() or source.dim() == 0:
+        return 0, None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if name == "aten.linalg_vector_norm":
+        dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if isinstance(dim, bool) or dim is None:
+        return 0, None
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) else []
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return 0, None  # a whole-tensor reduction, or something odd
+    extent = 1
+    for d in dims:
+        extent *= int(source.shape[d])
+    return extent, source
+
+
 class _Recorder(TorchDispatchMode):
     """Sees every aten op while the learner's function runs."""
 
     def __init__(self, probe: Probe) -> None:
         super().__init__()
         self.probe = probe
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # PyTorch otherwise wraps __torch_dispatch__ in torch._disable_dynamo, whose first call imports
+        # torch._dynamo (and sympy): about 800 modules, 1.5 s idle and 20 s on a loaded machine, inside the
+        # learner's first timed call. Nothing here is compiled, so there is nothing for Dynamo to skip.
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -307,6 +360,9 @@ class Probe:
         self.largest_shape = ""
         self.largest_op = ""
         self.flops = 0
+        self.widest = 0
+        self.widest_shape = ""
+        self.widest_op = ""
         self.calls: list[str] = []
         self.errors: list[str] = []
         self._mode: _Recorder | None = None
@@ -356,6 +412,12 @@ class Probe:
                     self.largest_numel = t.numel()
                     self.largest_shape = " x ".join(str(n) for n in t.shape) or "scalar"
                     self.largest_op = str(func._overloadpacket)
+        if "widest" in self.measure:
+            width, read = _reduced_extent(func, args, kwargs)
+            if width > self.widest:
+                self.widest = width
+                self.widest_shape = " x ".join(str(n) for n in read.shape) or "scalar"
+                self.widest_op = str(func._overloadpacket)
         if "flops" in self.measure:
             formula = _FLOP_FORMULAS.get(func._overloadpacket)
             if formula is not None:
@@ -396,6 +458,8 @@ class Probe:
             found.update(largest_numel=self.largest_numel, largest_shape=self.largest_shape, largest_op=self.largest_op)
         if "flops" in self.measure:
             found["flops"] = self.flops
+        if "widest" in self.measure:
+            found.update(widest_reduction=self.widest, widest_shape=self.widest_shape, widest_op=self.widest_op)
         if self.forbidden:
             found["forbidden_calls"] = list(self.calls)
         if self.errors:

@@ -152,7 +152,7 @@ def _judge_softmax(cases, outcomes):
             got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
             (x,) = case.args
             expect_shape(got, x.shape, what=case.name)
-            hint = _diagnose_softmax_values(got, x) or _precision_hint(got, x)
+            hint = lambda: _diagnose_softmax_values(got, x) or _precision_hint(got, x)
             expect_close(got, stable_softmax(x), what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("huge logits do not overflow (float32 and float16)"):
         for index, atol in ((_HUGE, 1e-6), (_HALF, 2e-3)):
@@ -402,7 +402,7 @@ def _judge_attention(cases, outcomes):
                 q, k, v = case.args
                 got = returned(outcome, what=case.name, hints=_ATTENTION_ERROR_HINTS)
                 expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
-                hint = _diagnose_attention(got, q, k, v) or _precision_hint(got, q)
+                hint = lambda: _diagnose_attention(got, q, k, v) or _precision_hint(got, q)
                 expect_close(got, scaled_dot_product_attention(q, k, v), what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("large scores stay finite (float32)"):
         for index in (_LARGE, _LARGE_HEADS):
@@ -416,7 +416,7 @@ def _judge_attention(cases, outcomes):
                     "softmax that subtracts the row max first (your stable_softmax, or torch.softmax)."
                 )
             expected = scaled_dot_product_attention(q.double(), k.double(), v.double())
-            hint = _diagnose_attention(got, q, k, v) or ""
+            hint = lambda: _diagnose_attention(got, q, k, v) or ""  # computed only for a wrong answer
             expect_close(got, expected, what=case.name, atol=1e-4, rtol=1e-4, hint=hint)
     with checklist.check("leaves q, k and v unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_ATTENTION_ERROR_HINTS):
@@ -641,7 +641,7 @@ def _judge_additive(cases, outcomes):
                 got = returned(outcome, what=case.name, hints=_ADDITIVE_ERROR_HINTS)
                 expected = _additive_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
-                hint = _diagnose_additive(got, *case.args) or _precision_hint(got, case.args[0])
+                hint = lambda: _diagnose_additive(got, *case.args) or _precision_hint(got, case.args[0])
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("large scores stay finite (float32)"):
         for index in (_ADD_LARGE, _ADD_LARGE_UNBATCHED):
@@ -653,7 +653,7 @@ def _judge_additive(cases, outcomes):
                 raise Fail(f"{case.name}: your output contains NaN/inf. These scores reach a few hundred and exp() "
                            "overflows float32 beyond 88: use a softmax that subtracts the row max (your stable_softmax).")
             expect_close(got, expected, what=case.name, atol=1e-4, rtol=1e-4,
-                         hint=_diagnose_additive(got, *case.args) or "")
+                         hint=lambda: _diagnose_additive(got, *case.args) or "")
     with checklist.check("leaves its inputs unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_ADDITIVE_ERROR_HINTS):
             expect_inputs_unchanged(case, outcome, what=case.name)

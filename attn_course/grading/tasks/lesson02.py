@@ -800,26 +800,17 @@ def _judge_prune(cases, outcomes):
     checklist = Checklist()
     answered_cases = []
     with checklist.check("returns (in_proj_weight (3*K*D, E), in_proj_bias (3*K*D,), out_proj_weight (E, K*D))"):
-        first_failure = None
-        for case, outcome in zip(cases, outcomes):
+        for case, outcome in zip(cases, outcomes):  # a case that raised fails this check (a failed case)
             in_w, in_b, out_w, H, keep = case.args
             E, K = in_w.shape[1], len(keep)
             D = E // H
-            try:
-                got = _prune_returned(outcome, case)
-            except Fail as failure:
-                if outcome.not_implemented:
-                    raise
-                first_failure = first_failure or failure
-                continue
+            got = _prune_returned(outcome, case)
             shapes = [tuple(t.shape) for t in got]
             wanted = [(3 * K * D, E), (3 * K * D,), (E, K * D)]
             if shapes != wanted:
                 raise Fail(f"{case.name}: you returned shapes {shapes}, expected {wanted}. "
                            + _prune_shape_hint(got, E, K, D))
             answered_cases.append(case)
-        if not answered_cases and first_failure is not None:
-            raise first_failure
     sections = (
         ("the pruned layer computes the full layer with the other heads silenced", (0, 1)),
         ("keeping every head gives the same layer; three of four, or one head, work too", (2, 3, 4)),
@@ -842,10 +833,7 @@ def _judge_prune(cases, outcomes):
                 expect_close(pruned, expected, what=f"{case.name}: the pruned layer's output", atol=1e-9, rtol=1e-7,
                              hint=hint)
     with checklist.check("leaves the original weights unchanged"):
-        ran = [(case, outcome) for case, outcome in zip(cases, outcomes) if outcome.error is None]
-        if not ran:
-            returned(outcomes[0], what=cases[0].name)  # not implemented, or raised everywhere: say so
-        for case, outcome in ran:
+        for case, outcome in zip(cases, outcomes):  # a case that raised fails this check too
             _prune_returned(outcome, case)  # something that is not three tensors earns nothing here either
             expect_inputs_unchanged(case, outcome, what=case.name)
     return checklist.results

@@ -11,7 +11,15 @@ from ...attention import scaled_dot_product_attention, stable_softmax
 from ...masks import causal_mask, combine_masks, padding_mask
 from .. import probes
 from ..core import Case, Fail, Task, Wrong
-from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape, returned_tensor
+from ..judging import (
+    Checklist,
+    expect_close,
+    expect_dtype,
+    expect_inputs_unchanged,
+    expect_shape,
+    returned_tensor,
+    worst_index,
+)
 from ._common import answered, first_match, returned, seeded_randn
 from .lesson01 import COURSE_ATTENTION
 
@@ -347,11 +355,8 @@ def _diagnose_masked(got, q, k, v, mask, *, atol=1e-9, rtol=1e-7) -> str | None:
     )
 
 
-def _first_wrong_row(got, expected, *, atol, rtol) -> tuple[int, ...] | None:
-    """Index (..., i) of the first query row where ``got`` and ``expected`` differ, or None."""
-    close = torch.isclose(got.detach().double(), expected.double(), atol=atol, rtol=rtol)  # (..., L, Dv)
-    wrong = (~close).any(dim=-1).nonzero()  # rows (..., i) with at least one wrong entry
-    return tuple(int(i) for i in wrong[0]) if len(wrong) else None
+def _close_enough(got, expected, *, atol, rtol) -> bool:
+    return bool(torch.allclose(got.detach().double(), expected.double(), atol=atol, rtol=rtol))
 
 
 _MASKED_ERROR_HINTS = (
@@ -374,7 +379,7 @@ def _judge_masked(cases, outcomes):
             got = returned(outcome, what=case.name, hints=_MASKED_ERROR_HINTS)
             expected = scaled_dot_product_attention(q, k, v, mask)
             expect_shape(got, expected.shape, what=case.name)
-            hint = _diagnose_masked(got, q, k, v, mask) or ""
+            hint = lambda: _diagnose_masked(got, q, k, v, mask) or ""  # computed only for a wrong answer
             expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("a query with nothing to attend to gets zeros, not NaN"):
         for index, atol in ((_EMPTY_ROW, 1e-9), (_LEFT_PADDED, 1e-5)):
@@ -400,8 +405,10 @@ def _judge_masked(cases, outcomes):
                 )
             rtol = 1e-5 if atol > 1e-9 else 1e-7
             hint = _diagnose_masked(got, q, k, v, mask) or ""
-            row = _first_wrong_row(got, expected, atol=atol, rtol=rtol) if got.shape == expected.shape else None
-            if row is not None and not empty[row]:
+            row = None
+            if got.shape == expected.shape and not _close_enough(got, expected, atol=atol, rtol=rtol):
+                row = worst_index(got, expected, atol=atol, rtol=rtol)[:-1]  # the row expect_close names below
+            if row is not None and not empty[row] and not torch.isnan(got[empty]).any():
                 # The empty rows are fine; say so, so that this check's title does not send the learner there.
                 hint = (f"The empty rows are right, but row {row} of your output belongs to a query that may attend to "
                         f"some keys, and it is wrong. " + hint).strip()

@@ -171,14 +171,14 @@ def _judge_linear(cases, outcomes):
                     f"{case.name}: the all-padding sequence gives NaN. Its z is 0, so the denominator is 0: add "
                     "eps = 1e-6 to it, num / (den + eps), and those rows become 0."
                 )
-            expect_close(got, expected, what=case.name, atol=atol, rtol=atol, hint=_diagnose_linear(got, *case.args) or "")
+            expect_close(got, expected, what=case.name, atol=atol, rtol=atol, hint=lambda: _diagnose_linear(got, *case.args) or "")
     with checklist.check("long sequences (hundreds of queries and keys) match the library"):
         for index in (_LONG, _LONG_PADDED):
             case = cases[index]
             got = returned(outcomes[index], what=case.name)
             expected = linear_attention(*case.args)
             expect_shape(got, expected.shape, what=case.name)
-            hint = _diagnose_linear(got, *case.args) or ""
+            hint = lambda: _diagnose_linear(got, *case.args) or ""  # computed only for a wrong answer
             expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("never forms an (L, S) matrix: every intermediate stays below L * S elements"):
         for index in (_LONG, _LONG_PADDED):
@@ -399,7 +399,7 @@ def _judge_causal(cases, outcomes):
             got = returned(outcomes[index], what=case.name)
             expected = linear_attention_quadratic(*case.args, is_causal=True)
             expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_causal(got, *case.args) or "")
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_causal(got, *case.args) or "")
     with checklist.check("the output at t does not change when inputs after t change"):
         before = returned(outcomes[_CAUSAL], what=cases[_CAUSAL].name)
         after = returned(outcomes[_FUTURE_CHANGED], what=cases[_FUTURE_CHANGED].name)
@@ -423,7 +423,7 @@ def _judge_causal(cases, outcomes):
                 f"{case.name}: NaN in your output. phi(q_4) is 0, so both numerator and denominator are 0 there: add "
                 "eps = 1e-6 to the denominator, num / (den + eps)."
             )
-        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_causal(got, *case.args) or "")
+        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_causal(got, *case.args) or "")
     with checklist.check("float32 inputs"):
         case = cases[_CAUSAL_FLOAT32]
         got = returned(outcomes[_CAUSAL_FLOAT32], what=case.name)
@@ -436,7 +436,7 @@ def _judge_causal(cases, outcomes):
             got = returned(outcomes[index], what=case.name)
             expected = linear_attention_quadratic(*case.args, is_causal=True)
             expect_shape(got, expected.shape, what=case.name)
-            hint = _diagnose_causal(got, *case.args) or ""
+            hint = lambda: _diagnose_causal(got, *case.args) or ""  # computed only for a wrong answer
             expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
     with checklist.check("never forms an (L, L) matrix: every intermediate stays below L * L elements"):
         for index in (_CAUSAL_LONG, _CAUSAL_LONG_2):

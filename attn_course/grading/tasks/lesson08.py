@@ -183,7 +183,7 @@ def _judge_entropy(cases, outcomes):
                 if torch.isnan(got).any() and ((weights == 0).any() or weights.dtype == torch.float16):
                     raise Fail(_nan_message(case, weights))
                 expected = attention_entropy(weights.double())  # the exact entropy of the weights as given
-                expect_close(got.double(), expected, what=case.name, hint=_diagnose_entropy(got, weights) or "",
+                expect_close(got.double(), expected, what=case.name, hint=lambda: _diagnose_entropy(got, weights) or "",
                              **_entropy_tolerance(weights, expected))
     with checklist.check("leaves the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -342,7 +342,7 @@ def _judge_qk(cases, outcomes):
             got = returned(outcome, what=case.name)
             expected = _qk_reference(*case.args)
             expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_qk(got, *case.args) or "")
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("a zero query vector gives a finite (uniform) row, not NaN"):
         case, outcome = cases[_QK_ZERO], outcomes[_QK_ZERO]
         got = returned(outcome, what=case.name)
@@ -353,7 +353,7 @@ def _judge_qk(cases, outcomes):
                 f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: divide by "
                 "x.norm(dim=-1, keepdim=True).clamp_min(1e-12), or use F.normalize(x, dim=-1), which does that."
             )
-        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=_diagnose_qk(got, *case.args) or "")
+        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("works in float32"):
         case, outcome = cases[_QK_FLOAT32], outcomes[_QK_FLOAT32]
         got = returned(outcome, what=case.name)
@@ -896,7 +896,27 @@ def _backward_reports(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]
     return found
 
 
-def _diagnose_gradient(got: object, case: Case, expected: str | None) -> str:
+def _cause_predictions(case: Case) -> dict[str, object]:
+    """What each classic mistake would return on this case (the keys name the causes _diagnose_gradient says)."""
+    model, x = case.args
+    model = copy.deepcopy(model)
+    names = [name for name, _ in model.named_modules()]
+    found = _backward_reports(model, x)
+    return {
+        "last": found["input"][-1] if found["input"] else None,
+        "isnan": found["nan_input"][0] if found["nan_input"] else None,
+        "grad_output": found["output"][0] if found["output"] else None,
+        "definition": next((name for name in names if name in found["input"]), None),
+        "parameters": found["parameters"][0] if found["parameters"] else None,
+    }
+
+
+def _ruled_out(cause: str, others) -> bool:
+    """Whether the learner's answers on the other cases contradict ``cause`` (issue 20: say only what fits)."""
+    return any(_cause_predictions(case)[cause] != got for case, got in others)
+
+
+def _diagnose_gradient(got: object, case: Case, expected: str | None, others=()) -> str:
     model, x = case.args
     model = copy.deepcopy(model)  # the judge's own copy: the case stays as it was built
     names = [name for name, _ in model.named_modules()]
@@ -924,28 +944,28 @@ def _diagnose_gradient(got: object, case: Case, expected: str | None) -> str:
         )
     # Several mistakes can name the same module: say every one that would.
     causes = []
-    if found["input"] and got == found["input"][-1]:
+    if found["input"] and got == found["input"][-1] and not _ruled_out("last", others):
         causes.append(
             "you kept the LAST module to report; a NaN spreads backwards to every module before the culprit, so "
             "keep the first one whose hook reports"
         )
-    if found["nan_input"] and got == found["nan_input"][0]:
+    if found["nan_input"] and got == found["nan_input"][0] and not _ruled_out("isnan", others):
         causes.append(
             f"{got!r} is the first module to pass back a NaN, but {expected!r} passed back an inf before it, which "
             "is just as broken (the NaN came from it): test with torch.isfinite, not torch.isnan"
         )
-    if found["output"] and got == found["output"][0]:
+    if found["output"] and got == found["output"][0] and not _ruled_out("grad_output", others):
         causes.append(
             f"the gradient ARRIVING at {got!r} from later layers (grad_output) was already bad: check grad_input, "
             "what each module passes back"
         )
     definition_first = next((name for name in names if name in found["input"]), None)
-    if got == definition_first:
+    if got == definition_first and not _ruled_out("definition", others):
         causes.append(
             "backward runs from the loss towards the input: record modules in the order their hooks fire, not in "
             "definition order (model.named_modules()), and keep the first"
         )
-    if got in found["parameters"]:
+    if got in found["parameters"] and not _ruled_out("parameters", others):
         causes.append(
             f"{got!r}'s parameters got non-finite gradients, but a NaN spreads to every parameter before the culprit: "
             "watch the gradients flowing between modules (grad_input of full backward hooks) instead"
@@ -987,7 +1007,11 @@ def _judge_gradient(cases, outcomes):
             for index in indices:
                 got = answer(index)
                 if got != expected[index]:
-                    raise Fail(f"{cases[index].name}: {_diagnose_gradient(got, cases[index], expected[index])}")
+                    others = [(cases[i], outcomes[i].returned) for i in range(len(cases)) if i != index
+                              and outcomes[i].error is None and not outcomes[i].not_implemented
+                              and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
+                    raise Fail(f"{cases[index].name}: "
+                               f"{_diagnose_gradient(got, cases[index], expected[index], others)}")
     return checklist.results
 
 

@@ -64,9 +64,12 @@ _PATCHIFY_FORBIDDEN = (
 )
 
 
+_PATCH_BAD = [(2, 1, 6, 8, 4), (2, 3, 8, 10, 4)]  # p divides only one side: the library raises ValueError
+
+
 def _patchify_cases() -> list[Case]:
     return [Case(f"patchify(images of shape {(B, C, H, W)}, patch_size={p})", (_pixel_codes(B, C, H, W), p))
-            for B, C, H, W, p in _PATCH_SIZES]
+            for B, C, H, W, p in _PATCH_SIZES + _PATCH_BAD]
 
 
 def _patches_straight(images, p):
@@ -93,6 +96,8 @@ def _patches_unfold_no_permute(images, p):
 
 
 def _patches_with_f_unfold(images, p):
+    if images.shape[-2] % p or images.shape[-1] % p:
+        raise ValueError(f"patch_size={p} must divide the image height and width")
     return F.unfold(images, kernel_size=p, stride=p).transpose(1, 2)  # (B, N, C p p): PyTorch's im2col does it all
 
 
@@ -145,8 +150,9 @@ def _diagnose_patchify(got: torch.Tensor, images: torch.Tensor, p: int) -> str:
 
 def _judge_patchify(cases, outcomes):
     checklist = Checklist()
+    good = len(_PATCH_SIZES)
     with checklist.check("returns (B, N, C*p*p) with N = (H/p)(W/p)"):
-        for case, _, got in answered(cases, outcomes, hints=_RESHAPE_HINTS):
+        for case, _, got in answered(cases[:good], outcomes[:good], hints=_RESHAPE_HINTS):
             images, p = case.args
             B, C, H, W = images.shape
             expect_shape(got, (B, (H // p) * (W // p), C * p * p), what=case.name,
@@ -162,14 +168,41 @@ def _judge_patchify(cases, outcomes):
                 expect_shape(got, expected.shape, what=case.name)
                 if not torch.equal(got.double(), expected):
                     raise Fail(f"{case.name}: {_diagnose_patchify(got, images, p)}")
+    with checklist.check("raises ValueError when patch_size does not divide the height and the width"):
+        for case, outcome in zip(cases[good:], outcomes[good:]):
+            images, p = case.args
+            if outcome.not_implemented:
+                returned(outcome, what=case.name)
+            if outcome.error is None:
+                raise Fail(f"{case.name} returned a result; it should raise ValueError: {p} does not divide "
+                           f"{tuple(images.shape[-2:])}, so some pixels belong to no patch. Cropping them silently "
+                           "changes the image the model sees; check H % p and W % p and raise, naming both.")
+            if not outcome.error.startswith("ValueError"):
+                raise Fail(f"{case.name} raised {outcome.error[:200]}; check H % p and W % p first and raise a "
+                           "ValueError that names the patch size and the image size.")
     return checklist.results
 
 
 def _patchify_reference(images, patch_size):
     B, C, H, W = images.shape
     p = patch_size
+    if H % p or W % p:
+        raise ValueError(f"patch_size={p} must divide the image height and width, got {H} x {W}")
     grid = images.reshape(B, C, H // p, p, W // p, p)  # (B, C, H/p, p, W/p, p)
     return grid.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)  # (B, N, C p p)
+
+
+def _patches_cropped(images, p):
+    """Issue 20's accepted-wrong answer: crops the pixels p does not cover, silently."""
+    H, W = images.shape[-2:]
+    return _patchify_reference(images[..., : H // p * p, : W // p * p], p)
+
+
+def _patches_reshape_error(images, p):
+    """Right patches, but a size p does not divide ends in reshape's RuntimeError, not a ValueError."""
+    B, C, H, W = images.shape
+    grid = images.reshape(B, C, H // p, p, W // p, p)  # (B, C, H/p, p, W/p, p): fails unless p divides H and W
+    return grid.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
 
 
 PATCHIFY = Task(
@@ -185,6 +218,8 @@ PATCHIFY = Task(
         "features ordered (row, column, channel)": Wrong(_patches_channels_last, "(channel, row, column)"),
         "patches numbered column by column": Wrong(_patches_column_major, "row by row"),
         "pixels transposed inside each patch": Wrong(_patches_transposed_pixels, "transposed"),
+        "crops the pixels p does not cover": Wrong(_patches_cropped, "Cropping them silently"),
+        "reshape's RuntimeError instead of a ValueError": Wrong(_patches_reshape_error, "raise a ValueError"),
         "calls F.unfold (PyTorch's patch extraction)": Wrong(
             _patches_with_f_unfold, "you called torch.nn.functional.unfold", kind="algorithm"),
         "calls attn_course's patchify": Wrong(_patches_with_the_library, "you called attn_course.patchify",
@@ -267,17 +302,19 @@ def _judge_embed(cases, outcomes):
                     "patches." if tuple(got.shape) == (B, N, E) else "")
             expect_shape(got, (B, N + 1, E), what=case.name, hint=hint)
             expect_dtype(got, patches.dtype, what=case.name)
-    with checklist.check("class token first, then the patches, each plus its position"):
-        for case, outcome in zip(cases, outcomes):
-            got = returned(outcome, what=case.name, hints=(
-                ("expected size", "the class token is (1, 1, E): .expand(B, -1, -1) it to the batch before torch.cat."),
-                ("must match the size", "the class token is (1, 1, E): .expand(B, -1, -1) it to the batch before "
-                 "torch.cat."),
-            ))
-            expected = _embed_reference(*case.args)
-            expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-12, rtol=0,
-                         hint=_diagnose_embed(got, *case.args) or "")
+    for title, indices in (("class token first, then the patches, each plus its position", (0, 1)),
+                           ("one image (B = 1) of 16 patches", (2,))):
+        with checklist.check(title):
+            for case, outcome in ((cases[i], outcomes[i]) for i in indices):
+                got = returned(outcome, what=case.name, hints=(
+                    ("expected size", "the class token is (1, 1, E): .expand(B, -1, -1) it to the batch before torch.cat."),
+                    ("must match the size", "the class token is (1, 1, E): .expand(B, -1, -1) it to the batch before "
+                     "torch.cat."),
+                ))
+                expected = _embed_reference(*case.args)
+                expect_shape(got, expected.shape, what=case.name)
+                expect_close(got, expected, what=case.name, atol=1e-12, rtol=0,
+                             hint=lambda: _diagnose_embed(got, *case.args) or "")
     with checklist.check("leaves the patches, class token and positions unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -434,7 +471,7 @@ def _judge_vit(cases, outcomes):
                 expected = _vit_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7,
-                             hint=_diagnose_vit(got, case.args) or "")
+                             hint=lambda: _diagnose_vit(got, case.args) or "")
     with checklist.check("leaves x and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_RESHAPE_HINTS):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -607,7 +644,7 @@ def _judge_sincos(cases, outcomes):
                 expected = _sincos_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-5,
-                             hint=_diagnose_sincos(got, case.args) or "")
+                             hint=lambda: _diagnose_sincos(got, case.args) or "")
     with checklist.check("a dim that is not a multiple of 4 raises ValueError"):
         for index in _BAD:
             case, outcome = cases[index], outcomes[index]

@@ -396,7 +396,7 @@ def _judge_conv(cases, outcomes):
                 # Padded frames are free: take the expected value there, so a failure names (b, t, e).
                 real = keep[:, :, None]  # (B, T, 1)
                 expect_close(torch.where(real, got, expected), expected, what=f"{case.name} (real frames)", atol=1e-9,
-                             rtol=1e-7, hint=_diagnose_conv(got[keep], x, keep, weights) or "")
+                             rtol=1e-7, hint=lambda: _diagnose_conv(got[keep], x, keep, weights) or "")
     with checklist.check("leaves x, keep and the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             _expect_unchanged(case, outcome, what=case.name)
@@ -471,6 +471,8 @@ def _stream_step(chunk, cache, w, *, use_cache=True, centred=False, flip=False, 
         kept = torch.cat((torch.zeros_like(cache), glu), dim=1)[:, history.shape[1] - (K - 1) :]
     elif new_cache == "chunk":
         kept = glu[:, max(glu.shape[1] - (K - 1), 0) :]  # only what this chunk brought
+    elif new_cache == "negative_slice":  # history[:, -(K-1):] is the whole history when K - 1 = 0
+        kept = history[:, -(K - 1):]
     elif new_cache == "raw":
         kept = torch.cat((cache, chunk), dim=1)[:, history.shape[1] - (K - 1) :]  # frames before the LayerNorm
     else:  # "all": the whole history
@@ -486,6 +488,7 @@ _STREAMS = [  # (seed, B, T, E, K, chunk boundaries)
     (2020, 2, 12, 6, 4, [0, 3, 8, 9]),  # the first chunk, a long middle chunk, one frame
     (2021, 3, 10, 4, 5, [0, 5, 7]),  # a chunk shorter than the cache
     (2022, 2, 14, 8, 3, [0, 4, 10]),
+    (2023, 2, 7, 4, 1, [0, 3, 7]),  # kernel 1: the cache is empty, (B, 0, E)
 ]
 
 
@@ -573,11 +576,11 @@ def _pair(case: Case, outcome) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _answered_streams(cases, outcomes):
-    """The cases whose call returned (errors are reported by the value checks), or a Fail if none did."""
-    done = [(case, outcome) for case, outcome in zip(cases, outcomes) if outcome.error is None]
-    if not done:
-        _pair(cases[0], outcomes[0])
-    return done
+    """Every case; a case whose call raised fails the check that reads it (``_pair`` says so)."""
+    for case, outcome in zip(cases, outcomes):
+        if outcome.error is not None:
+            _pair(case, outcome)
+    return list(zip(cases, outcomes))
 
 
 def _judge_stream(cases, outcomes):
@@ -588,7 +591,11 @@ def _judge_stream(cases, outcomes):
             out, new_cache = _pair(case, outcome)
             expect_shape(out, chunk.shape, what=f"{case.name}, out", hint="One output frame per input frame.")
             kept, wanted = (new_cache.shape[1] if new_cache.dim() == 3 else None), cache.shape[1]
-            if kept is not None and kept > wanted:
+            if kept is not None and wanted == 0 and kept > 0:
+                hint = (f"With kernel size 1 the cache is empty, (B, 0, E), but yours has {kept} frames: "
+                        "x[:, -(K - 1):] is x[:, 0:], the whole window, when K - 1 = 0. Slice from the front "
+                        "instead: x[:, x.shape[1] - (K - 1):].")
+            elif kept is not None and kept > wanted:
                 hint = (f"Your cache has {kept} frames: a streaming module keeps only the last K - 1 = {wanted}, "
                         "however long the stream, or its memory grows without end.")
             elif kept is not None and kept < wanted:
@@ -600,10 +607,16 @@ def _judge_stream(cases, outcomes):
             expect_shape(new_cache, cache.shape, what=f"{case.name}, new cache", hint=hint)
             expect_dtype(out, chunk.dtype, what=f"{case.name}, out")
             expect_dtype(new_cache, cache.dtype, what=f"{case.name}, new cache")
-    for title, part in (("each chunk's output equals the causal module on the whole stream", 0),
-                        ("the new cache holds the last K - 1 frames that entered the depthwise convolution", 1)):
+    wide = [i for i, case in enumerate(cases) if case.args[1].shape[1] > 0]  # kernels 3-5
+    single = [i for i, case in enumerate(cases) if case.args[1].shape[1] == 0]  # kernel 1: an empty cache
+    for title, parts, indices in (
+        ("each chunk's output equals the causal module on the whole stream", (0,), wide),
+        ("the new cache holds the last K - 1 frames that entered the depthwise convolution", (1,), wide),
+        ("kernel size 1: each frame alone, and an empty (B, 0, E) cache", (0, 1), single),
+    ):
         with checklist.check(title):
-            for case, outcome in zip(cases, outcomes):
+            for index, part in [(i, p) for i in indices for p in parts]:
+                case, outcome = cases[index], outcomes[index]
                 chunk, cache, weights = case.args
                 what = f"{case.name}, {'out' if part == 0 else 'new cache'}"
                 got = _pair(case, outcome)[part]
@@ -649,6 +662,10 @@ def _stream_cache_grows(chunk, cache, w):
     return _stream_step(chunk, cache, w, new_cache="all")
 
 
+def _stream_cache_negative_slice(chunk, cache, w):
+    return _stream_step(chunk, cache, w, new_cache="negative_slice")
+
+
 def _stream_cache_updated_in_place(chunk, cache, w):
     out, kept = _stream_step(chunk, cache, w)
     cache.copy_(kept)  # the caller's cache changes under its feet
@@ -672,6 +689,8 @@ STREAMING_CONV = Task(
                                                                                "forgets the old one"),
         "cache holds the frames before the LayerNorm": Wrong(_stream_cache_raw_frames, "not computed twice"),
         "cache grows with the stream": Wrong(_stream_cache_grows, "grows without end"),
+        "new cache = window[:, -(K - 1):] (the whole window at K = 1)": Wrong(
+            _stream_cache_negative_slice, "x[:, -(K - 1):] is x[:, 0:]"),
         "cache updated in place": Wrong(_stream_cache_updated_in_place, "in place", kind="contract"),
     },
     stretch=True,

@@ -100,7 +100,7 @@ def _judge_repeat(cases, outcomes):
             got = returned(outcome, what=case.name)
             expect_shape(got, repeat_kv(x, groups).shape, what=case.name, hint=_repeat_shape_hint(got, x, groups))
             expect_close(got, repeat_kv(x, groups), what=case.name, atol=0.0, rtol=0.0,
-                         hint=_diagnose_repeat(got, x, groups) or "")
+                         hint=lambda: _diagnose_repeat(got, x, groups) or "")
     with checklist.check("n_rep=1 returns the same values"):
         case, outcome = cases[3], outcomes[3]
         x, groups = case.args
@@ -319,7 +319,7 @@ def _judge_decode(cases, outcomes):
                 got = returned(outcome, what=case.name)
                 expected = _decode_expected(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
-                hint = _diagnose_decode(got, *case.args) or ""
+                hint = lambda: _diagnose_decode(got, *case.args) or ""  # computed only for a wrong answer
                 expect_close(got.double(), expected, what=case.name, hint=hint, **_decode_tolerance(q, expected))
     with checklist.check("leaves q, k, v and lengths unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -528,19 +528,19 @@ def _judge_rotary(cases, outcomes):
                    ": each pair must become (a cos t - b sin t, a sin t + b cos t).")
             )
         expect_close(got[..., 0, :], x[..., 0, :], what=f"{case.name}, position 0", atol=1e-9, rtol=1e-7,
-                     hint=_diagnose_rotary(got, x, positions) or "")
+                     hint=lambda: _diagnose_rotary(got, x, positions) or "")
     with checklist.check("angles: position * 10000^(-2i/D) on the pair (2i, 2i+1)"):
         for index in (_ROT_FROM_0, _ROT_SCATTERED):
             case, outcome = cases[index], outcomes[index]
             got = returned(outcome, what=case.name)
             expected = _rotary_reference(*case.args)
             expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7,
-                         hint=_diagnose_rotary(got, *case.args) or "")
+                         hint=lambda: _diagnose_rotary(got, *case.args) or "")
     with checklist.check("uses the given positions (they need not start at 0)"):
         case, outcome = cases[_ROT_FROM_7], outcomes[_ROT_FROM_7]
         got = returned(outcome, what=case.name)
         expect_close(got, _rotary_reference(*case.args), what=case.name, atol=1e-9, rtol=1e-7,
-                     hint=_diagnose_rotary(got, *case.args) or "")
+                     hint=lambda: _diagnose_rotary(got, *case.args) or "")
     with checklist.check("relative: q_m . k_n depends only on m - n"):
         # Cases 0 and 1 rotate the same x by positions shifted by 7: dot products must agree.
         first = returned(outcomes[_ROT_FROM_0], what=cases[_ROT_FROM_0].name).double()
@@ -761,7 +761,7 @@ def _judge_generation(cases, outcomes):
                 expected = _generate_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7,
-                             hint=_diagnose_generation(got, *case.args) or "")
+                             hint=lambda: _diagnose_generation(got, *case.args) or "")
                 if case.args[2] > 1:
                     _expect_cached_work(outcome, index, what=case.name)
     with checklist.check("each step projects only the new token (the work of cached decoding)"):

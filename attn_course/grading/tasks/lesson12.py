@@ -80,14 +80,8 @@ def _judge_zigzag(cases, outcomes):
     bad = [(case, outcome) for case, outcome in zip(cases, outcomes) if tuple(case.args) in _ZIGZAG_BAD]
 
     def answered() -> list[tuple[Case, list[torch.Tensor]]]:
-        """The good cases the function answered; if it answered none, fail with the first one's error."""
-        results = []
-        for case, outcome in good:
-            if outcome.error is None and not outcome.not_implemented:
-                results.append((case, _positions_of(outcome, case)))
-        if not results:
-            _positions_of(good[0][1], good[0][0])
-        return results
+        """Every good case's positions; a case that raised fails the check (it is a failed case, not a skipped one)."""
+        return [(case, _positions_of(outcome, case)) for case, outcome in good]
 
     with checklist.check("one tensor of L/W token positions per rank"):
         answered()
@@ -214,6 +208,15 @@ def _zigzag_checks_world_size_only(seq_len, world_size):
     return _zigzag_chunks(seq_len, world_size, check=False)
 
 
+def _zigzag_late_index_overflows(seq_len, world_size):
+    """Issue 20's mutant: the late chunk at chunks - 1 + r, right at W = 1, an IndexError for every W >= 2."""
+    chunks = 2 * world_size
+    if seq_len % chunks:
+        raise ValueError(f"seq_len = {seq_len} is not divisible by 2 * world_size = {chunks}")
+    chunk = torch.arange(seq_len).view(chunks, seq_len // chunks)  # (2W, L/2W)
+    return [torch.cat([chunk[r], chunk[chunks - 1 + r]]) for r in range(world_size)]
+
+
 def _zigzag_delegates(seq_len, world_size):
     import attn_course as ac
 
@@ -235,6 +238,7 @@ ZIGZAG_POSITIONS = Task(
         "chunk numbers instead of token positions": Wrong(_zigzag_chunk_numbers, "not the chunk numbers"),
         "no error when 2W does not divide L": Wrong(_zigzag_never_raises, "returned instead of raising"),
         "checks only L % W": Wrong(_zigzag_checks_world_size_only, "seq_len % (2 * world_size)"),
+        "late chunk at chunks - 1 + r (IndexError for W >= 2)": Wrong(_zigzag_late_index_overflows, "raised IndexError"),
         "calls attn_course.sequence_positions": Wrong(
             _zigzag_delegates, "you called attn_course.sequence_positions", kind="algorithm"
         ),
@@ -253,8 +257,9 @@ ZIGZAG_POSITIONS = Task(
 
 
 def _partial(q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False, running=None):
-    return tuple(library_ring_step(running, q, k, v, q_positions=q_positions, k_positions=k_positions,
-                                   key_padding_mask=key_padding_mask, is_causal=is_causal))
+    """The library's step, as the PartialAttention the task statement names (a named (acc, row_max, row_sum) tuple)."""
+    return PartialAttention(*library_ring_step(running, q, k, v, q_positions=q_positions, k_positions=k_positions,
+                                               key_padding_mask=key_padding_mask, is_causal=is_causal))
 
 
 def _ring_step_cases() -> list[Case]:
@@ -433,10 +438,8 @@ def _judge_ring_step(cases, outcomes):
         return case, got, expected
 
     def ran() -> list[int]:
-        indices = [i for i, outcome in enumerate(outcomes) if outcome.error is None]
-        if not indices:
-            parts(0)  # raises the Fail that explains the error (or "not implemented yet")
-        return indices
+        """Every case: `parts(i)` fails the check for a case that raised (a failed case, not a skipped one)."""
+        return list(range(len(outcomes)))
 
     def compare(index):
         case, (acc, row_max, row_sum), (want_acc, want_max, want_sum) = parts(index)
@@ -480,6 +483,7 @@ def _judge_ring_step(cases, outcomes):
             expect_largest_below(outcome, _block_limit(case) + 1, what=case.name, constraint=_form_advice(outcome, case))
     with checklist.check("leaves running, q, k and v unchanged"):
         for index in ran():
+            parts(index)  # a case that raised is a failed case here too
             case, outcome = cases[index], outcomes[index]
             before, after = case.args, outcome.args_after
             running_before, running_after = before[0], after[0] if after else None
@@ -496,6 +500,21 @@ def _judge_ring_step(cases, outcomes):
 def _ring_step_reference(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
     """Written out on lesson 07's partial_attention and merge_partials (the library's ring_step is the task)."""
     return _by_hand(running, q, k, v, q_positions, k_positions, key_padding_mask, is_causal)
+
+
+def _ring_step_with_lesson_07_helpers(running, q, k, v, q_positions, k_positions, key_padding_mask=None,
+                                      is_causal=False):
+    """Correct: ac.partial_attention on the masked scores, then ac.merge_partials straight on `running` as passed."""
+    import attn_course as ac
+
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)  # (Lq, Lk)
+    if is_causal:
+        allowed = k_positions[None, :] <= q_positions[:, None]  # (Lq, Lk), global positions
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]  # (B, 1, Lq, Lk)
+    block = ac.partial_attention(scores.masked_fill(~allowed, float("-inf")), v)
+    return block if running is None else ac.merge_partials(running, block)
 
 
 def _ring_step_from_scratch(running, q, k, v, q_positions, k_positions, key_padding_mask=None, is_causal=False):
@@ -602,7 +621,9 @@ RING_STEP = Task(
         ),
         "calls attn_course.ring_step": Wrong(_ring_step_delegates, "you called attn_course.ring_step", kind="algorithm"),
     },
-    accepted={"written out without lesson 07's helpers (einsum, torch.where)": _ring_step_from_scratch},
+    accepted={"written out without lesson 07's helpers (einsum, torch.where)": _ring_step_from_scratch,
+              "ac.partial_attention, then ac.merge_partials on running as the grader passes it":
+                  _ring_step_with_lesson_07_helpers},
     measure=("largest",),
     forbidden=("attn_course.distributed.ring.ring_step", "attn_course.distributed.ring.ring_attention"),
 )
@@ -727,10 +748,8 @@ def _judge_backward(cases, outcomes):
         return case, got, expected
 
     def ran() -> list[int]:
-        indices = [i for i, outcome in enumerate(outcomes) if outcome.error is None]
-        if not indices:
-            parts(0)
-        return indices
+        """Every case: `parts(i)` fails the check for a case that raised (a failed case, not a skipped one)."""
+        return list(range(len(outcomes)))
 
     def compare(index, labels=("dq", "dk", "dv")):
         case, got, expected = parts(index)
@@ -759,6 +778,7 @@ def _judge_backward(cases, outcomes):
         compare(_BW_EMPTY)
     with checklist.check("leaves its inputs unchanged"):
         for index in ran():
+            parts(index)  # a case that raised is a failed case here too
             case, outcome = cases[index], outcomes[index]
             for name, before, after in zip(("q", "k", "v", "grad_out", "out", "lse"), case.args, outcome.args_after):
                 if not torch.equal(before, after):
