@@ -7,6 +7,8 @@ L query length, S key length, D head dim, E model dim.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 __all__ = [
@@ -17,7 +19,23 @@ __all__ = [
     "check_mask",
     "check_key_mask",
     "shape_str",
+    "broadcast_shapes",
 ]
+
+
+def broadcast_shapes(*shapes: torch.Size | tuple[int, ...]) -> torch.Size:
+    """The shape ``shapes`` broadcast to, as ``torch.broadcast_shapes`` gives it (RuntimeError if none).
+
+    Written out because ``torch.broadcast_shapes`` imports sympy on its first call (measured
+    0.7 s idle, several seconds under load), which a learner's first ``check()`` paid for.
+    """
+    out = []
+    for dims in itertools.zip_longest(*(reversed(tuple(shape)) for shape in shapes), fillvalue=1):
+        sizes = {int(d) for d in dims if d != 1}
+        if len(sizes) > 1:
+            raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} cannot be broadcast together")
+        out.append(sizes.pop() if sizes else 1)
+    return torch.Size(reversed(out))
 
 
 def shape_str(shape: torch.Size | tuple[int, ...]) -> str:
@@ -94,7 +112,7 @@ def check_qkv(q: object, k: object, v: object) -> tuple[int, int, torch.Size]:
             f"v is (..., S, Dv) = {shape_str(v.shape)}." + _transpose_hint(k, v)
         )
     try:
-        batch_shape = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        batch_shape = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"the leading (batch, head) dims of q {shape_str(q.shape)}, k {shape_str(k.shape)} and "
@@ -123,7 +141,7 @@ def check_mask(mask: object, target_shape: torch.Size | tuple[int, ...], *, devi
         raise ValueError(f"mask is on {mask.device} but the inputs are on {device}; use mask.to({str(device)!r})")
     target = torch.Size(target_shape)
     try:
-        broadcast = torch.broadcast_shapes(mask.shape, target)
+        broadcast = broadcast_shapes(mask.shape, target)
     except RuntimeError:
         broadcast = None
     if broadcast != target:

@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_qkv
+from ._checks import broadcast_shapes, check_mask, check_qkv
 from .masks import fully_masked_rows, with_causal
 
 __all__ = ["scaled_dot_product_attention", "stable_softmax"]
@@ -144,7 +144,7 @@ def _fused_attention(
     dropout_p: float,
 ) -> torch.Tensor:
     """PyTorch's kernel, with empty rows made safe on every backend."""
-    batch_shape = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch_shape = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     # Not every backend broadcasts batch dims (e.g. one K/V head shared by all query heads).
     q = q.expand(*batch_shape, *q.shape[-2:])  # (..., L, D), a view
     k = k.expand(*batch_shape, *k.shape[-2:])  # (..., S, D), a view

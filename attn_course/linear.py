@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_key_mask, check_positive_int, check_qkv, check_tensor, shape_str
+from ._checks import broadcast_shapes, check_key_mask, check_positive_int, check_qkv, check_tensor, shape_str
 
 __all__ = [
     "elu_feature_map",
@@ -358,7 +358,7 @@ def _causal_chunkwise(phi_q, phi_k, v, *, eps, chunk_size):
 
 def _causal_prefix_sums(phi_q, phi_k, v, *, eps, chunk_size):
     """``out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps)`` with ``S_t``, ``z_t`` from ``cumsum``."""
-    batch_shape = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+    batch_shape = broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
     length, features, value_dim = phi_q.shape[-2], phi_q.shape[-1], v.shape[-1]
     state_kv = phi_q.new_zeros(*batch_shape, 1, features, value_dim)  # (..., 1, M, Dv), sums before this chunk
     state_z = phi_q.new_zeros(*batch_shape, 1, features)  # (..., 1, M)
@@ -378,7 +378,7 @@ def _causal_prefix_sums(phi_q, phi_k, v, *, eps, chunk_size):
 
 def _causal_recurrent(phi_q, phi_k, v, *, eps):
     """One token at a time, the RNN: ``S_t = S_{t-1} + phi(k_t) v_t^T``, ``z_t = z_{t-1} + phi(k_t)``."""
-    batch_shape = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+    batch_shape = broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
     state_kv = phi_q.new_zeros(*batch_shape, phi_q.shape[-1], v.shape[-1])  # (..., M, Dv)
     state_z = phi_q.new_zeros(*batch_shape, phi_q.shape[-1])  # (..., M)
     outputs = []
@@ -471,7 +471,7 @@ def linear_attention_step(
         phi_q, phi_k = phi_q[..., 0, :], phi_k[..., 0, :]  # (..., M)
         v = v.to(compute)
         if state is None:
-            kv = phi_q.new_zeros(*torch.broadcast_shapes(phi_k.shape[:-1], v.shape[:-1]), phi_k.shape[-1], v.shape[-1])
+            kv = phi_q.new_zeros(*broadcast_shapes(phi_k.shape[:-1], v.shape[:-1]), phi_k.shape[-1], v.shape[-1])
             z = torch.zeros_like(phi_k)
         else:
             if not isinstance(state, LinearAttentionState):

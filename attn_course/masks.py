@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_positive_int
+from ._checks import broadcast_shapes, check_positive_int
 
 __all__ = [
     "causal_mask",
@@ -96,7 +96,7 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
             result = mask
             continue
         try:
-            torch.broadcast_shapes(result.shape, mask.shape)
+            broadcast_shapes(result.shape, mask.shape)
         except RuntimeError:
             raise ValueError(
                 f"cannot combine masks of shapes {tuple(result.shape)} and {tuple(mask.shape)}: they do not "

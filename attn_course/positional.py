@@ -35,7 +35,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ._checks import check_mask, check_positive_int, check_tensor, shape_str
+from ._checks import broadcast_shapes, check_mask, check_positive_int, check_tensor, shape_str
 from .multihead import MultiHeadAttention, split_heads
 
 __all__ = [
@@ -331,7 +331,7 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, *, base: float = 1000
     positions = _check_positions(positions)
     angles = _angles(positions.to(x.device), D, base=base)  # (..., L, D/2), float64 (float32 on MPS)
     try:
-        torch.broadcast_shapes(angles.shape[:-1], x.shape[:-1])
+        broadcast_shapes(angles.shape[:-1], x.shape[:-1])
     except RuntimeError:
         raise ValueError(
             f"positions of shape {shape_str(positions.shape)} do not broadcast to x's (..., L) = {shape_str(x.shape[:-1])}"

@@ -155,3 +155,26 @@ def test_the_old_weights_keywords_are_gone(old):
     for name, call in _weights_calls():
         with torch.no_grad(), pytest.raises(TypeError, match=old):
             call(**{old: True})
+
+
+def test_broadcast_shapes_agrees_with_torch_and_imports_no_sympy():
+    """The package's own broadcast_shapes (torch's imports sympy on first use, seconds on a first check())."""
+    import subprocess
+    import sys
+
+    from attn_course._checks import broadcast_shapes
+
+    cases = [((2, 1, 4), (3, 1)), ((), (5,)), ((1,), (0,)), ((2, 3), (2, 3), (1, 3)), ((4, 1, 1, 7), (1, 6, 5, 1)),
+             (torch.Size([2, 1]), torch.Size([1, 3]))]
+    for shapes in cases:
+        assert broadcast_shapes(*shapes) == torch.broadcast_shapes(*shapes), shapes
+    for bad in [((2,), (3,)), ((2, 3), (3, 2)), ((0,), (2,))]:
+        with pytest.raises(RuntimeError):
+            torch.broadcast_shapes(*bad)
+        with pytest.raises(RuntimeError, match="cannot be broadcast"):
+            broadcast_shapes(*bad)
+    code = ("import sys, torch, attn_course as ac; q = torch.randn(2, 3, 4, 8); m = torch.ones(4, 4, dtype=torch.bool); "
+            "ac.scaled_dot_product_attention(q, q, q, m); ac.linear_attention(q, q, q, is_causal=True); "
+            "print('sympy' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False", run

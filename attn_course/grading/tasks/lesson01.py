@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..._checks import broadcast_shapes
 from ...attention import scaled_dot_product_attention, stable_softmax
 from .. import probes
 from ..core import Case, Fail, Task, Wrong
@@ -624,7 +625,7 @@ def _judge_additive(cases, outcomes):
     with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
         for case, _, got in answered(cases, outcomes, hints=_ADDITIVE_ERROR_HINTS):
             q, k, v = case.args[:3]
-            expected_shape = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], v.shape[-1])
+            expected_shape = (*broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], v.shape[-1])
             if tuple(got.shape) == (*expected_shape[:-1], k.shape[-2]) and k.shape[-2] != v.shape[-1]:
                 raise Fail(f"{case.name}: you returned a (..., L, S) tensor: the attention weights. The output is "
                            "weights @ v, of shape (..., L, Dv).")

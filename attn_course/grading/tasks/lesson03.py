@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..._checks import broadcast_shapes
 from ...attention import scaled_dot_product_attention, stable_softmax
 from ...masks import causal_mask, combine_masks, padding_mask
 from .. import probes
@@ -370,7 +371,7 @@ def _judge_masked(cases, outcomes):
     with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
         for case, _, got in answered(cases, outcomes, hints=_MASKED_ERROR_HINTS):
             q, k, v, mask = case.args
-            expect_shape(got, (*torch.broadcast_shapes(q.shape[:-1], mask.shape[:-1]), v.shape[-1]), what=case.name)
+            expect_shape(got, (*broadcast_shapes(q.shape[:-1], mask.shape[:-1]), v.shape[-1]), what=case.name)
             expect_dtype(got, q.dtype, what=case.name)
     with checklist.check("blocked keys get no weight (padding and causal masks)"):
         for index in (_PADDED, _CAUSAL_PADDED):
