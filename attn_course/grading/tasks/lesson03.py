@@ -362,7 +362,7 @@ def _close_enough(got, expected, *, atol, rtol) -> bool:
 
 _MASKED_ERROR_HINTS = (
     ("without overflow", "a fill value such as -1e9 does not fit in float16 (largest magnitude 65504). Fill with "
-     "float('-inf'), which every floating type holds exactly, and give rows with nothing to attend to zeros."),
+     "float('-inf'), which float16, bfloat16, float32 and float64 hold exactly, and give rows with nothing to attend to zeros."),
 )
 
 

@@ -314,7 +314,7 @@ def _judge_decode(cases, outcomes):
                     raise Fail(
                         f"{case.name}: your function raised {outcome.error}. A fill value such as -1e9 does not fit "
                         "in float16 (its largest magnitude is 65504): fill blocked scores with float('-inf'), which "
-                        "every floating dtype holds, and give rows with nothing to attend to zero weights."
+                        "float16, bfloat16, float32 and float64 hold exactly, and give rows with nothing to attend to zero weights."
                     )
                 got = returned(outcome, what=case.name)
                 expected = _decode_expected(*case.args)
