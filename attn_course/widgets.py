@@ -329,7 +329,7 @@ class PatchAttentionExplorer(_Explorer):
         who = "class token" if query == 0 else f"patch {query - 1}"
         # Fixed axes positions instead of a layout engine: redrawing stays quick (lesson 09's widget).
         fig = Figure(figsize=(9.0, 4.2))
-        left = fig.add_axes((0.03, 0.08, 0.38, 0.76))
+        left = fig.add_axes((0.03, 0.2, 0.38, 0.64))
         right = fig.add_axes((0.52, 0.14, 0.36, 0.7))
         top = float(matrix.max())  # one colour scale for both panels
         plot_patch_attention(self.images[example], grid, ax=left, outline=None if query == 0 else query - 1, vmax=top,
@@ -340,6 +340,9 @@ class PatchAttentionExplorer(_Explorer):
         right.tick_params(labelsize=7)
         right.add_patch(Rectangle((-0.5, query - 0.5), matrix.shape[1], 1, fill=False, edgecolor="white", linewidth=1.5))
         fig.colorbar(right.images[0], cax=fig.add_axes((0.9, 0.14, 0.015, 0.7)), label="weight")
+        # The left panel's own colourbar: the same scale (0 to the matrix's largest weight) as the right.
+        fig.colorbar(left.images[0], cax=fig.add_axes((0.08, 0.09, 0.28, 0.025)), orientation="horizontal",
+                     label="weight (same scale as the matrix)")
         caption = f"image {example}" + (f": {self.titles[example]}" if self.titles else "")
         fig.suptitle(f"{caption} ({which})")
         return fig
