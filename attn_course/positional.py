@@ -186,7 +186,7 @@ def rel_shift(scores: torch.Tensor) -> torch.Tensor:
     Input column ``c`` of row ``i`` belongs to offset ``L - 1 - c`` (see
     :func:`relative_positions`); output ``[i, j]`` is the input at offset ``i - j``, i.e.
     ``out[..., i, j] = scores[..., i, L - 1 - i + j]``. Row ``i`` is the input row shifted
-    left by ``L - 1 - i``: one zero column, one reshape and one slice do every row at
+    left by ``L - 1 - i``: one zero column, two reshapes and two slices do every row at
     once, with no gather (Dai et al., 2019).
     """
     scores = check_tensor("scores", scores, min_dim=2)
