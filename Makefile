@@ -42,8 +42,10 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=. $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_welcome.ipynb
 
 # Both parts always run; the exit status is the first failure's. tests/test_site.py builds the web
-# book itself, so the site's tools come first.
-test: $(STAMP) site-deps
+# book itself, so the site's tools come first; tests/test_bench.py runs `bench peers` on tiny sizes,
+# so the `bench` extra's peers come too.
+BENCH_STAMP := $(VENV)/.bench-installed
+test: $(STAMP) site-deps $(BENCH_STAMP)
 	$(PINNED) $(BIN)/python -m pytest tests $(PYTEST_ARGS); library=$$?; \
 	$(PINNED) $(OTHER_KERNELS) $(BIN)/python -m pytest notebooks solutions \
 		--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); notebooks=$$?; \
@@ -82,9 +84,12 @@ bench: $(STAMP)
 	$(BIN)/attn-course bench mha
 
 # The library against the pure-PyTorch peers from PyPI (the `bench` extra; torch named again so pip keeps the pin).
-bench-peers: $(STAMP)
-	$(BIN)/pip install -qq "$(TORCH)" -e '.[bench]'
+bench-peers: $(BENCH_STAMP)
 	$(PINNED) $(BIN)/attn-course bench peers --threads $(THREADS)
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -qq "$(TORCH)" -e '.[dev,lab,bench]'
+	touch $(BENCH_STAMP)
 
 # On a machine with CUDA: every CUDA test case, lessons 04 and 12 and `bench mha` / `attention` / `peers` on
 # the GPU, within 8 minutes, one report (GPU_REPORT, and a .json beside it). Without CUDA it says so, skips the
