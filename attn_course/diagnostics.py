@@ -349,7 +349,7 @@ def capture_attention(model: nn.Module, *, to_cpu: bool = False) -> Iterator[Att
     ``(weights, mask)`` (as ``DynamicHeadAttention`` has) is asked through it. Any other
     ``MultiHeadAttention`` subclass that overrides ``forward`` or its attention step ``attend``
     (e.g. with position terms in the scores) has its ``forward`` called a second time with
-    ``need_weights=True``.
+    ``need_weights=True``. For example::
 
         with capture_attention(model) as captured:
             model(x)
@@ -582,7 +582,7 @@ def _event(phase: str, name: str, module: nn.Module, path: str, tensor: torch.Te
 def find_nonfinite(
     model: nn.Module, *, backward: bool = False, raise_error: bool = False
 ) -> Iterator[NonFiniteTracker]:
-    """Name the first module whose output (or input gradient) contains a NaN or inf.
+    """Name the first module whose output (or input gradient) contains a NaN or inf. For example::
 
         with find_nonfinite(model) as tracker:
             loss = model(x).sum()
