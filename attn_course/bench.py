@@ -1020,6 +1020,8 @@ def bench_peers(
                 steps[key] = _step(fn, inputs, grad_out, backward=backward)
         reference = OURS[comparison["work"]] or f"ours_{comparison.get('pattern')}"
         times, diffs = _time_with_outputs(steps, device=device, rounds=config.rounds, reference=reference)
+        # The bucketed peer skips each query's own bucket: its matrix-product FLOPs, counted, say how much less it does.
+        flops = {key: _matmul_flops(steps[key]) for key in ("ours_linear", "lat_bucketed") if key in steps}
         if comparison["work"] in ("linear", "local"):
             diffs["fused"] = None  # softmax attention over every earlier key: not the same function
         baseline_key = "torch_mha" if comparison["work"] == "mha" else "fused"
@@ -1029,6 +1031,8 @@ def bench_peers(
             if key == "lat_bucketed":
                 note = (f"not the same function: a query sees only keys in earlier buckets of {config.linear_bucket}"
                         " (none of its own bucket)")
+                if flops.get("ours_linear") and flops.get(key):
+                    note += f"; its matrix products: {flops[key] / flops['ours_linear']:.2f}x the FLOPs of ours"
             elif key == "fused" and comparison["work"] in ("linear", "local"):
                 note = "softmax attention over every earlier key: the cost reference, not the same function"
             rows.append({
@@ -1043,6 +1047,7 @@ def bench_peers(
                 "x_fused": None if key not in times else times[key] / times[baseline_key],
                 "max_abs_diff": diffs.get(key),
                 "peak_bytes": None,
+                "matmul_flops": flops.get(key) if comparison["work"] == "linear" else None,
                 "note": note,
             })
         say("measured (peak memory follows at the end):\n" + _format_comparison(rows[-len(comparison["impls"]):]))
@@ -1125,7 +1130,9 @@ def peers_targets(results: dict) -> list[dict[str, object]]:
         if work == "linear":
             add(f"{comparison}: ours / causal_linear_attn(bucket_size=1)", ratio(get("ours_linear"), [get("lat_exact")]), 1.0)
             if get("lat_bucketed") is not None:
-                add(f"{comparison}: ours / causal_linear_attn(bucketed, another function)",
+                work = ratio(get("lat_bucketed"), [get("ours_linear")], key="matmul_flops")
+                add(f"{comparison}: ours / causal_linear_attn(bucketed, another function"
+                    + ("" if work is None else f" making {work:.2f}x our matmul FLOPs") + ")",
                     ratio(get("ours_linear"), [get("lat_bucketed")]), 1.0)
             linear_times[get("ours_linear")["length"]] = get("ours_linear")["time_s"]
         elif work == "exact":
@@ -1141,6 +1148,15 @@ def peers_targets(results: dict) -> list[dict[str, object]]:
     if 1024 in linear_times and 16384 in linear_times:
         add("causal linear attention: ours t(16384) / t(1024)", linear_times[16384] / linear_times[1024], 18.0)
     return targets
+
+
+def _matmul_flops(step) -> int:
+    """FLOPs of the matrix products one call of ``step`` makes, counted by PyTorch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
 
 
 def _format_comparison(rows: list[dict]) -> str:

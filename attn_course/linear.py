@@ -24,7 +24,8 @@ do not depend on ``i``: computing them first (associativity of the matrix produc
     ``tril(phi(Q_c) phi(K_c)^T) V_c`` -- one ``(C, C)`` matmul; across chunks, one running
     ``(M, Dv)`` state ``S`` and normaliser ``z`` (the RNN state, advanced a chunk at a time:
     ``S <- S + phi(K_c)^T V_c``), which the chunk's queries read as ``phi(Q_c) S``. Every step is
-    a matrix product, so the time is matmul-bound and linear in ``N``.
+    a matrix product, so the time is matmul-bound and linear in ``N`` (measured: 17.7x from
+    N = 1024 to 16384, one thread).
   - ``"prefix_sum"``: the literal definition, ``cumsum`` of the ``(C, M, Dv)`` outer products
     ``phi(k_j) v_j^T`` chunk by chunk. It reads and writes ``M Dv`` numbers per position, which
     makes it memory-bound: measured 9-20x slower than ``"chunkwise"`` at N = 1024..16384 (B = 1,
@@ -211,9 +212,10 @@ def _masked_key_features(phi_k: torch.Tensor, mask: torch.Tensor | None) -> torc
 
 CAUSAL_METHODS = ("chunkwise", "prefix_sum", "rnn")
 
-# Chosen by measurement (B = 1, H = 8, D = Dv = M = 64, float32, 2 threads, N = 1024..16384,
-# chunk sizes 32..256 timed side by side): see the docstring of linear_attention.
-DEFAULT_CAUSAL_CHUNK = 128
+# Chosen by measurement (B = 1, H = 8, D = Dv = M = 64, float32, N = 1024..16384, chunk sizes
+# 32..128 timed side by side): see the docstring of linear_attention.
+DEFAULT_CAUSAL_CHUNK = 64
+_CHUNKS_PER_GROUP = 16  # the chunkwise form's chunks done at once (1024 positions at C = 64)
 DEFAULT_PREFIX_SUM_CHUNK = 128
 DEFAULT_NONCAUSAL_CHUNK = 512
 
@@ -239,20 +241,20 @@ def linear_attention(
         is_causal: query ``t`` attends to keys ``0..t`` (needs ``L == S``).
         eps: added to the denominator (see the module docstring).
         chunk_size: positions per chunk. ``"chunkwise"``: the ``(C, C)`` block of the quadratic
-            form (default 128); ``"prefix_sum"``: positions per ``cumsum`` (memory
+            form (default 64); ``"prefix_sum"``: positions per ``cumsum`` (memory
             ``chunk * M * Dv``; default 128); non-causal: keys and queries per pass (default
             512). Not used by ``"rnn"``.
         method: how the causal form is computed: ``"chunkwise"`` (default), ``"prefix_sum"`` or
             ``"rnn"`` (see the module docstring). Only for ``is_causal=True``: the non-causal
             form has one way.
 
-    The default causal chunk, 128, was chosen by timing chunks of 32, 64, 128 and 256 side by
-    side, interleaved (B = 1, H = 8, D = Dv = M = 64, float32, 2 threads, N = 1024..4096, on a
-    busy 2-core machine, load 13-18): within a chunk the work is ``2 C (M + Dv)`` FLOPs per
-    position, across chunks ``4 M Dv`` (the state's update and its read). Fewer, larger matrix
-    products won over fewer FLOPs: 32 was the slowest at every N, 128 was 8-17% faster than 64
-    in each of three runs, and 256 no faster than 128. The ``(L / C, C, C)`` blocks and the
-    ``(L / C, M, Dv)`` states then hold ``L * C`` and ``L * M * Dv / C`` numbers.
+    The default causal chunk, 64, was chosen by timing chunks of 32, 64 and 128 (and 8 to 32 chunks
+    per group) side by side, interleaved (B = 1, H = 8, D = Dv = M = 64, float32, one thread,
+    N = 1024..16384, 2026-12-02): within a chunk the work is ``2 C (M + Dv)`` FLOPs per position,
+    across chunks ``4 M Dv`` (the state's update and its read), so 64 is where the two are equal;
+    32 was no faster (its matrix products are too small to run at full speed) and 128 slower at
+    every N. The chunks go 16 at a time (1024 positions), whose ``(16, C, C)`` blocks and
+    ``(16, M, Dv + 1)`` states are the largest temporaries at any ``N``.
     """
     L, S, mask = _prepare(q, k, v, mask, is_causal=is_causal)
     feature_map = _resolve_feature_map(feature_map)
@@ -324,36 +326,48 @@ def _causal_chunkwise(phi_q, phi_k, v, *, eps, chunk_size):
 
     with the RNN state after chunk ``c``: ``S_c = S_{c-1} + phi(K_c)^T V_c`` ``(M, Dv)`` and
     ``z_c = z_{c-1} + sum_{j in chunk c} phi(k_j)`` ``(M,)``, ``S_{-1} = 0``, ``z_{-1} = 0``.
-    Every chunk at once: the ``(C, C)`` blocks are one batched matmul, and the recurrence over
-    chunks is a ``cumsum`` of the per-chunk ``phi(K_c)^T V_c``. A Python loop over the chunks (the
-    same maths, exercise 06's stretch task) launches about ten small kernels per chunk: measured
-    3x and 10x slower at N = 1024 and 2048 with 2 threads on a busy 2-core machine, where every
-    launch waits for both threads.
+
+    Two details make it fast without changing the maths:
+
+    * The denominator is the numerator of a value that is 1 everywhere, so ``v`` gets a column of
+      ones: ``[V | 1]`` ``(..., N, Dv + 1)``. One matrix product then gives both, and the state is
+      ``[S | z]`` ``(M, Dv + 1)``: no separate pass for the sums.
+    * The chunks go ``_CHUNKS_PER_GROUP`` at a time. Within a group every chunk is done at once: the
+      ``(C, C)`` blocks are one batched matmul and the recurrence over the group's chunks is a
+      ``cumsum`` of their ``phi(K_c)^T [V_c | 1]``, started from the state the previous group left.
+      The temporaries are then a group's size whatever ``N`` (a fresh 32 MB temporary costs a page
+      fault per 4 KB on a CPU), and the time stays linear in ``N``. A Python loop over single chunks
+      (the same maths, exercise 06's stretch task) launches about ten small kernels per chunk:
+      several times slower below N = 4096.
     """
-    length = phi_q.shape[-2]
+    length, value_dim = phi_q.shape[-2], v.shape[-1]
     chunk = min(chunk_size, length)
-    padding = -length % chunk
-    if padding:  # zero keys after the last query are never read (causal); the extra query rows are cut below
-        phi_q, phi_k, v = (F.pad(x, (0, 0, 0, padding)) for x in (phi_q, phi_k, v))  # (..., n C, M|Dv)
-    n = phi_q.shape[-2] // chunk
-    chunk_q = phi_q.unflatten(-2, (n, chunk))  # (..., n, C, M)
-    chunk_k = phi_k.unflatten(-2, (n, chunk))  # (..., n, C, M)
-    chunk_v = v.unflatten(-2, (n, chunk))  # (..., n, C, Dv)
-    # Within each chunk: the masked quadratic form, one (C, C) matmul per chunk.
-    scores = torch.tril(torch.matmul(chunk_q, chunk_k.transpose(-2, -1)))  # (..., n, C, C), keys j <= t
-    numerator = torch.matmul(scores, chunk_v)  # (..., n, C, Dv)
-    denominator = scores.sum(dim=-1, keepdim=True)  # (..., n, C, 1)
-    if n > 1:
-        # Across chunks: S_c = S_{c-1} + phi(K_c)^T V_c, the state after chunks 0..n-2 (the last is never read).
-        state_kv = torch.matmul(chunk_k[..., :-1, :, :].transpose(-2, -1), chunk_v[..., :-1, :, :])  # (..., n-1, M, Dv)
-        state_kv = state_kv.cumsum(dim=-3)  # (..., n-1, M, Dv), S_0 .. S_{n-2}
-        state_z = chunk_k[..., :-1, :, :].sum(dim=-2, keepdim=True).cumsum(dim=-3)  # (..., n-1, 1, M), z_0 .. z_{n-2}
-        # Chunk c >= 1 reads the state its predecessors left: phi(Q_c) S_{c-1} and phi(Q_c) z_{c-1}.
-        later_q = chunk_q[..., 1:, :, :]  # (..., n-1, C, M)
-        numerator[..., 1:, :, :] += torch.matmul(later_q, state_kv)  # (..., n-1, C, Dv)
-        denominator[..., 1:, :, :] += torch.matmul(later_q, state_z.transpose(-2, -1))  # (..., n-1, C, 1)
-    out = (numerator / (denominator + eps)).flatten(-3, -2)  # (..., n C, Dv)
-    return out[..., :length, :]  # (..., L, Dv)
+    group = chunk * _CHUNKS_PER_GROUP  # positions per group
+    ones = v.new_ones(*v.shape[:-1], 1)  # (..., N, 1)
+    state = v.new_zeros(*phi_k.shape[:-2], phi_k.shape[-1], value_dim + 1)  # (..., M, Dv + 1), [S | z] so far
+    outputs = []
+    for start in range(0, length, group):
+        stop = min(start + group, length)
+        group_q, group_k = phi_q[..., start:stop, :], phi_k[..., start:stop, :]  # (..., G, M)
+        group_v = torch.cat([v[..., start:stop, :], ones[..., start:stop, :]], dim=-1)  # (..., G, Dv + 1), [V | 1]
+        padding = -(stop - start) % chunk
+        if padding:  # zero keys after the last query are never read (causal); the extra query rows are cut below
+            group_q, group_k, group_v = (F.pad(x, (0, 0, 0, padding)) for x in (group_q, group_k, group_v))
+        n = group_q.shape[-2] // chunk
+        chunk_q = group_q.unflatten(-2, (n, chunk))  # (..., n, C, M)
+        chunk_k = group_k.unflatten(-2, (n, chunk))  # (..., n, C, M)
+        chunk_v = group_v.unflatten(-2, (n, chunk))  # (..., n, C, Dv + 1)
+        # Within each chunk: the masked quadratic form, one (C, C) matmul per chunk.
+        scores = torch.matmul(chunk_q, chunk_k.transpose(-2, -1)).tril_()  # (..., n, C, C), keys j <= t
+        out = torch.matmul(scores, chunk_v)  # (..., n, C, Dv + 1), [numerator | denominator] within the chunk
+        # Across chunks: [S_c | z_c] = [S_{c-1} | z_{c-1}] + phi(K_c)^T [V_c | 1], started from the previous group's.
+        updates = torch.matmul(chunk_k.transpose(-2, -1), chunk_v)  # (..., n, M, Dv + 1)
+        before = torch.cat([state.unsqueeze(-3), updates[..., :-1, :, :]], dim=-3).cumsum(dim=-3)  # (..., n, M, Dv + 1)
+        out = out + torch.matmul(chunk_q, before)  # (..., n, C, Dv + 1), plus what the earlier chunks left
+        state = before[..., -1, :, :] + updates[..., -1, :, :]  # (..., M, Dv + 1), after this group
+        out = out.flatten(-3, -2)[..., : stop - start, :]  # (..., G, Dv + 1)
+        outputs.append(out[..., :value_dim] / (out[..., value_dim:] + eps))  # (..., G, Dv)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)  # (..., L, Dv)
 
 
 def _causal_prefix_sums(phi_q, phi_k, v, *, eps, chunk_size):

@@ -96,8 +96,10 @@ def test_causal_forms_equal_masked_quadratic_equal_recurrent(gen, name, method, 
 
 @pytest.mark.parametrize(
     "L,chunk_size",
-    [(1, None), (1, 4), (5, None), (64, None), (65, None), (130, None), (33, 8), (32, 8), (9, 10)],
-    ids=["L1", "L1-chunk4", "shorter-than-a-chunk", "one-chunk", "one-past", "two-and-a-bit", "ragged", "exact", "chunk>L"],
+    [(1, None), (1, 4), (5, None), (64, None), (65, None), (130, None), (33, 8), (32, 8), (9, 10),
+     (128, 4), (131, 4), (1100, None)],
+    ids=["L1", "L1-chunk4", "shorter-than-a-chunk", "one-chunk", "one-past", "two-and-a-bit", "ragged", "exact", "chunk>L",
+         "two-groups", "groups-ragged", "default-groups"],
 )
 @pytest.mark.parametrize("with_mask", [False, True], ids=["nomask", "padding"])
 @pytest.mark.parametrize("name", FEATURE_MAPS)
@@ -141,30 +143,40 @@ def test_chunkwise_is_the_default_causal_form(gen, monkeypatch):
 
 
 def test_chunkwise_memory_and_kernel_count_grow_as_promised(gen):
-    """O(N) memory (no (N, N) block), and a number of kernels that does not grow with N (no Python loop over chunks)."""
+    """O(N) memory (no (N, N) block), and kernels per group of chunks, not per chunk (no Python loop over chunks)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from attn_course.linear import _CHUNKS_PER_GROUP
+
     class CountOps(TorchDispatchMode):
+        """Counts every kernel, and the matrix products apart."""
+
         def __init__(self):
             super().__init__()
-            self.count = 0
+            self.count = self.products = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.count += 1
+            self.products += func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm)
             return func(*args, **(kwargs or {}))
 
+    chunk = 32
+    group = chunk * _CHUNKS_PER_GROUP
     sizes, counts = [], []
-    for L in (512, 2048):
-        q, k, v = qkv(gen, L, D=16, Dv=16, batch=(1, 2))
-        sizes.append(largest_tensor_bytes(linear_attention, q, k, v, is_causal=True))
+    for groups in (2, 3, 4):
+        q, k, v = qkv(gen, groups * group, D=16, Dv=16, batch=(1, 2))
+        sizes.append(largest_tensor_bytes(linear_attention, q, k, v, is_causal=True, chunk_size=chunk))
         with CountOps() as mode:
-            linear_attention(q, k, v, is_causal=True)
+            linear_attention(q, k, v, is_causal=True, chunk_size=chunk)
         counts.append(mode.count)
-    assert sizes[1] <= 4 * sizes[0] * 1.01, sizes  # 4x the length, at most 4x the largest tensor (quadratic: 16x)
-    assert counts[0] == counts[1], counts
+        # Four batched products per group of chunks (the in-chunk scores and their values, the state's update
+        # and its read): a loop over chunks would make four per chunk.
+        assert mode.products == 4 * groups, (groups, mode.products)
+    assert sizes[2] <= 2 * sizes[0] * 1.01, sizes  # 2x the length, at most 2x the largest tensor (quadratic: 4x)
+    assert counts[2] - counts[1] == counts[1] - counts[0], counts  # the same kernels for every further group
     with CountOps() as mode:
-        linear_attention(q, k, v, is_causal=True, method="prefix_sum")
-    assert mode.count > 4 * counts[1]  # the teaching path loops over chunks in Python
+        linear_attention(q, k, v, is_causal=True, method="prefix_sum", chunk_size=chunk)
+    assert mode.count > 4 * counts[2]  # the teaching path loops over chunks in Python
 
 
 def test_causal_output_at_t_ignores_the_future(gen):
