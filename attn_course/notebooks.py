@@ -110,6 +110,7 @@ def _execute(path: Path, *, timeout: int) -> tuple[nbformat.NotebookNode, float]
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
         record_timing=False,
+        coalesce_streams=True,  # one stdout output per cell, however the kernel's prints were batched
         allow_error_names=["NotImplementedError"] if path.parent.name == "exercises" else [],
     )
     start = time.perf_counter()
