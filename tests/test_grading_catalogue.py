@@ -204,7 +204,12 @@ def test_wrong_implementation_is_rejected_with_useful_feedback(task_id, name):
 
 # Pairs (task, entry, other entry) whose feedback may contain the other's hint, each with why no
 # case can tell the two bugs apart. Keep it short: prefer a case, or a condition, that does.
-SHARED_HINTS: dict[tuple[str, str, str], str] = {}
+SHARED_HINTS: dict[tuple[str, str, str], str] = {
+    # The article's code has both bugs: its view needs L to be a multiple of the block, and it takes no mask.
+    # On the long masked case (L a multiple) it returns exactly what ignoring the mask gives, and says so.
+    ("05.block_local_attention", "the article's view (L must be a multiple)", "key-padding mask ignored"):
+        "the article's code also ignores the mask",
+}
 
 
 def _feedback(task: Task, outcomes: list[Outcome]) -> str:
