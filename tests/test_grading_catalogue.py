@@ -209,6 +209,10 @@ SHARED_HINTS: dict[tuple[str, str, str], str] = {
     # On the long masked case (L a multiple) it returns exactly what ignoring the mask gives, and says so.
     ("05.block_local_attention", "the article's view (L must be a multiple)", "key-padding mask ignored"):
         "the article's code also ignores the mask",
+    # Lesson 12's first attempt, the contiguous split, also never checks the length: both are its bugs, and
+    # test_grading_lesson12 asks for both messages.
+    ("12.zigzag_positions", "contiguous split", "no error when 2W does not divide L"):
+        "the contiguous split also returns instead of raising",
 }
 
 
