@@ -34,7 +34,7 @@ _RESHAPE_ERROR_HINTS = (
     ("is invalid for input of size", "the sizes in your view/reshape do not multiply to the tensor's size. Use the "
      "num_heads argument (never a fixed number) and D = E // num_heads."),
     ("view size is not compatible", "after a transpose or permute the memory is no longer contiguous, so .view() "
-     "cannot flatten it: use .reshape() (copies when needed) or .contiguous().view()."),
+     "cannot flatten it: a view needs contiguous memory (reshape copies when it must)."),
 )
 
 # The course's own head bookkeeping, batch-first: calling it is not writing it.
@@ -260,8 +260,7 @@ def _diagnose_merge(got: torch.Tensor, x: torch.Tensor) -> str | None:
              "order before H and D are joined."),
             (lambda: x.transpose(1, 2).reshape(B, L, H * D).reshape(L, B, H * D),
              "you merged to the batch-first (B, L, E), then reshaped that to (L, B, E). reshape never swaps axes: it "
-             "re-reads the same memory, so batch elements and positions get mixed. Swap them with .transpose(0, 1) "
-             "(or permute straight to (L, B, H, D))."),
+             "re-reads the same memory, so batch elements and positions get mixed: only moving axes swaps them."),
             (lambda: x.permute(2, 0, 3, 1).reshape(L, B, H * D),
              "the features of head h must sit together at h*D .. (h+1)*D - 1; yours are interleaved (you flattened "
              "(D, H) instead of (H, D)): head must be the slower-varying of the two axes you join."),
@@ -362,7 +361,7 @@ MERGE_HEADS = Task(
         "reshape straight to (L, B, E) (mixes tokens)": Wrong(_merge_reshape_straight, "straight to (L, B, E)"),
         "returns the batch-first (B, L, E)": Wrong(_merge_batch_first, "sequence-first layout, (L, B, E)"),
         "batch-first merge reshaped to (L, B, E)": Wrong(_merge_batch_first_then_reshape, "reshape never swaps axes"),
-        ".view() after .permute()": Wrong(_merge_view_after_permute, ".contiguous().view()"),
+        ".view() after .permute()": Wrong(_merge_view_after_permute, "a view needs contiguous memory"),
         "heads interleaved (flattens (D, H))": Wrong(_merge_interleaved, "interleaved"),
         "returns (L, B, H, D) without flattening": Wrong(_merge_not_flattened, "the heads not yet joined"),
         "sums over heads instead of concatenating": Wrong(_merge_sum_heads, "concatenates"),

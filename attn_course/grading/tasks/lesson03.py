@@ -346,7 +346,7 @@ def _diagnose_masked(got, q, k, v, mask, *, atol=1e-9, rtol=1e-7) -> str | None:
              "-inf before the softmax."),
             (lambda: scaled_dot_product_attention(q, k, v, ~mask),
              "you blocked exactly the keys that are allowed: True and False are swapped. In this course True means "
-             "'may attend', so block where the mask is False: scores.masked_fill(~mask, float('-inf'))."),
+             "'may attend', so the blocked keys are where the mask is False."),
             (lambda: torch.matmul(torch.softmax(_scores(q, k), dim=-1) * mask, v),
              "you zeroed the blocked weights after the softmax without renormalising: the remaining weights no "
              "longer sum to 1. Mask the scores (with -inf) before the softmax instead."),
@@ -396,9 +396,8 @@ def _judge_masked(cases, outcomes):
             if torch.isnan(got[empty]).any():
                 raise Fail(
                     f"{case.name}: the rows of queries with nothing to attend to are NaN. All their scores are -inf, "
-                    "and softmax of an all -inf row is 0 / 0. Give such rows zeros: e.g. "
-                    "torch.where(mask.any(dim=-1, keepdim=True), out, 0), or a softmax that returns 0 for all -inf "
-                    "rows (your stable_softmax from lesson 01)."
+                    "and softmax of an all -inf row is 0 / 0. Such rows must come out as zeros, as your stable_softmax "
+                    "from lesson 01 gives for an all -inf row."
                 )
             uniform = v.double().mean(dim=-2, keepdim=True).expand(got.shape)  # (..., L, Dv)
             if torch.allclose(got.double()[empty], uniform[empty], atol=1e-3):

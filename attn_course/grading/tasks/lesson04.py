@@ -322,17 +322,17 @@ def _diagnose_saved(got: float, fn, args, others=()) -> str:
                 "hook of torch.autograd.graph.saved_tensors_hooks receives.")
     variants = [
         (lambda: _count(fn, *args, size="numel"),
-         "you counted elements, not bytes: multiply by the element size (t.element_size(), 8 for float64, 2 for "
-         "float16), or use t.untyped_storage().nbytes()."),
+         "you counted elements, not bytes: each element takes its dtype's size (8 bytes in float64, 2 in "
+         "float16)."),
         (lambda: _count(fn, *args, size="float32"),
-         "you assumed 4 bytes per element. float64 takes 8 and float16 takes 2: use t.element_size() or "
-         "t.untyped_storage().nbytes()."),
+         "you assumed 4 bytes per element. float64 takes 8 and float16 takes 2: the size follows each tensor's "
+         "dtype."),
         (lambda: _count(fn, *args, dedup=False),
          "you counted a tensor every time it was saved. x * x saves x twice, but it is one tensor in memory: "
-         "count each storage once (key a dict by t.untyped_storage().data_ptr())."),
+         "each storage counts once, however often it is saved."),
         (lambda: _count(fn, *args, size="view"),
          "you counted the size of each saved view. A view (a slice, a transpose) keeps its whole storage alive: "
-         "count t.untyped_storage().nbytes()."),
+         "it is the storage's size that is held in memory."),
         (lambda: _output_bytes(fn, *args),
          "you measured the output of fn. Count what autograd saves for backward: the tensors the pack hook receives."),
         (lambda: _input_bytes(fn, *args),
@@ -435,7 +435,7 @@ SAVED_TENSOR_BYTES = Task(
     wrong={
         "elements instead of bytes": Wrong(_saved_numel, "counted elements, not bytes"),
         "4 bytes per element whatever the dtype": Wrong(_saved_float32, "assumed 4 bytes per element"),
-        "a tensor saved twice counted twice": Wrong(_saved_duplicates, "count each storage once"),
+        "a tensor saved twice counted twice": Wrong(_saved_duplicates, "each storage counts once"),
         "views counted by their own size": Wrong(_saved_views, "keeps its whole storage alive"),
         "the output's bytes": Wrong(_saved_output, "measured the output"),
         "the inputs' bytes": Wrong(_saved_inputs, "counted the inputs"),

@@ -122,7 +122,7 @@ def _diagnose_entropy(got: torch.Tensor, weights: torch.Tensor) -> str | None:
             (lambda: -expected,
              "your entropies are negative: entropy is -sum w log w (log w <= 0, so the minus sign makes it >= 0)."),
             (lambda: expected / S,
-             "you averaged over the keys (.mean(dim=-1)): entropy is a sum over the keys, not a mean."),
+             "you averaged over the keys: entropy is a sum over the keys, not a mean."),
             (lambda: expected / math.log(S),
              "you divided by log(S): that is the normalised entropy (0..1). This task asks for plain nats."),
         ],
@@ -325,7 +325,7 @@ def _diagnose_qk(got, q, k, v, scale) -> str | None:
             (lambda: scaled_dot_product_attention(q, _unit(k), v, scale=scale),
              "you normalised k but not q: both must have unit length, or large queries still saturate the softmax."),
             (lambda: scaled_dot_product_attention(q, k, v, scale=scale),
-             "your q and k are not normalised at all: divide each vector by its length (F.normalize(x, dim=-1))."),
+             "your q and k are not normalised at all: each vector must have unit length before the dot product."),
             (lambda: softmax_over_queries(_unit(q), _unit(k), v, scale=scale),
              "your softmax runs over the queries (dim=-2). Each query's weights over the keys must sum to 1 (dim=-1)."),
         ],
@@ -355,8 +355,8 @@ def _judge_qk(cases, outcomes):
         expect_shape(got, expected.shape, what=case.name)
         if torch.isnan(got).any():
             raise Fail(
-                f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: divide by "
-                "x.norm(dim=-1, keepdim=True).clamp_min(1e-12), or use F.normalize(x, dim=-1), which does that."
+                f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: a zero vector must stay "
+                "zero, so the length you divide by needs a small floor (as F.normalize has)."
             )
         expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("works in float32"):

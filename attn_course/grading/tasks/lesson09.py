@@ -30,8 +30,8 @@ __all__ = ["PATCHIFY", "CLASS_TOKEN_AND_POSITIONS", "VIT_ATTENTION", "SINCOS_POS
 _RESHAPE_HINTS = (
     ("is invalid for input of size", "the sizes in your reshape do not multiply to the tensor's size: N = (H/p)(W/p) "
      "patches of C*p*p values each, computed from the input's shape and patch_size (never fixed numbers)."),
-    ("view size is not compatible", "after a permute the memory is no longer contiguous, so .view() refuses: use "
-     ".reshape() (copies when needed)."),
+    ("view size is not compatible", "after a permute the memory is no longer contiguous, so .view() refuses: a "
+     "view needs contiguous memory (reshape copies when it must)."),
 )
 
 
@@ -449,14 +449,14 @@ def _diagnose_vit(got, args) -> str | None:
         [
             (variant(layout="article"),
              "this is the article's bug: q, k, v are (B, N, H, D), so q @ k^T compares the heads of one token with "
-             "each other ((B, N, H, H) weights) and patches never exchange information. Permute (B, N, 3, H, D) to "
-             "(3, B, H, N, D) before multiplying."),
+             "each other ((B, N, H, H) weights) and patches never exchange information: the heads axis must come before "
+             "the patch axis when the scores are formed."),
             (variant(layout="heads_then_qkv"),
-             "you cut the qkv output as (B, N, H, 3, D). nn.Linear(E, 3E) stacks [q; k; v] (all of q first), so "
-             "reshape to (B, N, 3, H, D), then permute to (3, B, H, N, D)."),
+             "you cut the qkv output as (B, N, H, 3, D). nn.Linear(E, 3E) stacks [q; k; v] (all of q first), so its "
+             "E outputs for q come first, then k's, then v's."),
             (variant(merge="straight"),
-             "you merged the heads by reshaping (B, H, N, D) straight to (B, N, E), which mixes tokens: "
-             ".transpose(1, 2) back to (B, N, H, D) first."),
+             "you merged the heads by reshaping (B, H, N, D) straight to (B, N, E), which mixes tokens: the heads axis "
+             "must move back behind the patch axis before the heads are joined."),
             (variant(scale=E**-0.5),
              f"you scaled by 1/sqrt(E) = 1/sqrt({E}); each head's scores have head_dim = {E // H} terms: scale by "
              f"1/sqrt(head_dim)."),

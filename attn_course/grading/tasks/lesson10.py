@@ -137,11 +137,11 @@ def _diagnose_shift(got, scores) -> str:
              "you kept the last L columns of every row (offsets 0 down to -(L-1)) for every query: the shift must "
              "depend on the row, out[i, j] = scores[i, L - 1 - i + j]."),
             (lambda: _shift_pad_right(scores),
-             "the zero column goes in front (F.pad(scores, (1, 0))), not at the end: with it at the end the rows "
-             "slide the wrong way after the reshape."),
+             "the zero column goes in front, not at the end: with it at the end the rows slide the wrong way after the "
+             "reshape."),
             (lambda: _shift_wrong_rows_kept(scores),
-             "off by one row: after padding and viewing the scores as (2L, L), drop the FIRST row "
-             "(padded[..., 1:, :]), not the last; then view as (L, 2L - 1) and keep the first L columns."),
+             "off by one row: after padding and viewing the scores as (2L, L), it is the FIRST row that goes, not the "
+             "last."),
         ],
         atol=0,
         rtol=0,
@@ -346,7 +346,7 @@ def _diagnose_conv(got, x, keep, w) -> str | None:
         [
             (variant(zero_padding=False),
              "padding leaks into real frames: the depthwise convolution near the end of a clip reads the padded "
-             "frames. Zero them (masked_fill with ~keep) right before the depthwise convolution."),
+             "frames, which must be zero when it reads them."),
             (variant(zero_padding="input"),
              "you zeroed the padded frames of x, at the input: LayerNorm, the pointwise convolution and the GLU "
              "turn a zero frame into a non-zero one (their biases), which the depthwise convolution then reads "

@@ -254,9 +254,7 @@ def _diagnose_decode(got, q, k, v, lengths, *, overflows: bool = False) -> str |
     if got.isnan().any():
         return (
             "Your result has NaN: a query that is itself padding (the whole prompt of a left-padded sequence) has "
-            "no slot to attend to, and softmax over a row of -inf is 0 / 0. Such rows must come out as zeros: "
-            "give empty rows zero weights (ac.stable_softmax, or torch.where on the row), or use an attention "
-            "function that does (ac.scaled_dot_product_attention, F.scaled_dot_product_attention)."
+            "no slot to attend to, and softmax over a row of -inf is 0 / 0. Such rows must come out as zeros."
         )
     return first_match(
         got,

@@ -432,11 +432,11 @@ def _form_advice(outcome, case: Case) -> str:
     advice = (f"a ring step holds one block of scores at a time, so nothing it builds needs to be larger than this "
               f"block's (B, H, Lq, Lk) = ({B}, {H}, {Lq}, {k.shape[-2]}) scores, or than its inputs.")
     if dims == 2:
-        advice += (" Build the causal mask from the two position vectors, k_positions[None, :] <= q_positions[:, None], "
-                   "(Lq, Lk): an (L, L) mask of the whole sequence is what splitting the sequence is meant to avoid.")
+        advice += (" The causal mask of a block depends only on the block's two position vectors, (Lq, Lk): an "
+                   "(L, L) mask of the whole sequence is what splitting the sequence is meant to avoid.")
     elif dims >= 5:
-        advice += (" Compute the scores with one matrix product, q @ k.transpose(-2, -1): a broadcast product over "
-                   "(Lq, Lk, D) holds D numbers for every score before the sum.")
+        advice += (" A broadcast product over (Lq, Lk, D) holds D numbers for every score before the sum; a matrix "
+                   "product holds only the scores.")
     return advice
 
 
@@ -635,7 +635,7 @@ RING_STEP = Task(
             _wrong(whole_mask=True), "an (L, L) mask of the whole sequence", kind="algorithm"
         ),
         "scores as a broadcast (Lq, Lk, D) product": Wrong(
-            _wrong(broadcast=True), "a broadcast product", kind="algorithm"
+            _wrong(broadcast=True), "A broadcast product over (Lq, Lk, D)", kind="algorithm"
         ),
         "calls attn_course.ring_step": Wrong(_ring_step_delegates, "you called attn_course.ring_step", kind="algorithm"),
     },
@@ -733,10 +733,10 @@ def _diagnose_backward(label: str, got: torch.Tensor, case: Case) -> str | None:
          "you recomputed the softmax over this block only. The weights are exp(scores - lse) with the *final* lse "
          "of each query over every key of the sequence: use the lse you are given."),
         (lambda: variant(out=torch.zeros_like(out)),
-         "delta is missing: dS = P * (dP - delta) with delta = (grad_out * out).sum(-1, keepdim=True), the "
+         "delta is missing: dS = P * (dP - delta) with delta = rowsum(grad_out * out), the "
          "softmax's correction for every weight of the row."),
         (lambda: variant(out=torch.ones_like(out)),
-         "delta is (grad_out * out).sum(-1, keepdim=True): the product with the output, not grad_out alone."),
+         "delta is rowsum(grad_out * out): the product with the output, not grad_out alone."),
         (lambda: expected[index] / scale,
          "missing a 1/sqrt(D): the scores were q @ k^T * scale, so dS carries the scale into dq and dk once."),
         (lambda: expected[index] * scale,
