@@ -11,6 +11,9 @@ The catalogue (``Task.wrong``, ``{description: Wrong(fn, hint, kind=..., one_cas
   (in-place edits, the wrong dtype); ``"algorithm"`` returns the right values and scores full
   marks once its probe measurements are replaced by the reference's: only what it *did* (the
   quadratic form, a forbidden delegation) costs it marks;
+* its feedback names its own bug and no other: it contains no other entry's ``hint`` (unless that
+  hint is part of its own), so a hint's condition must test the behaviour the hint describes; two
+  entries that behave the same on every case are duplicates, to merge or to tell apart with a case;
 * it is rejected by at least two cases, so that one unlucky case cannot hide it. "Rejected by
   case i" means: the reference's outcomes with case i's outcome replaced by the entry's lose a
   mark. An entry that only one case can catch says why in ``one_case`` (e.g. only one case has
@@ -197,6 +200,66 @@ def test_wrong_implementation_is_rejected_with_useful_feedback(task_id, name):
     result = grade_function(task, entry.fn)
     assert result.score < result.max_score, f"{name!r} was accepted:\n{result.report()}"
     assert entry.hint in result.feedback, f"feedback for {name!r} lacks {entry.hint!r}:\n{result.report()}"
+
+
+# Pairs (task, entry, other entry) whose feedback may contain the other's hint, each with why no
+# case can tell the two bugs apart. Keep it short: prefer a case, or a condition, that does.
+SHARED_HINTS: dict[tuple[str, str, str], str] = {
+    # The article's code has both bugs: its view needs L to be a multiple of the block, and it takes no mask.
+    # On the long masked case (L a multiple) it returns exactly what ignoring the mask gives, and says so.
+    ("05.block_local_attention", "the article's view (L must be a multiple)", "key-padding mask ignored"):
+        "the article's code also ignores the mask",
+    # Lesson 12's first attempt, the contiguous split, also never checks the length: both are its bugs, and
+    # test_grading_lesson12 asks for both messages.
+    ("12.zigzag_positions", "contiguous split", "no error when 2W does not divide L"):
+        "the contiguous split also returns instead of raising",
+}
+
+
+def _feedback(task: Task, outcomes: list[Outcome]) -> str:
+    """The feedback these outcomes get, as ``grade_function`` would give it."""
+    checks = task.judge(_cases(task.id), outcomes)
+    return "\n".join(f"{c.name}: {c.message}" for c in checks if not c.passed)
+
+
+@pytest.mark.parametrize("task_id", ALL)
+def test_no_two_catalogue_entries_behave_the_same(task_id):
+    """Two entries with different hints that the judge cannot tell apart (the same feedback) are one bug told two
+    ways: merge them, or add a case that separates them. (Entries with one hint, e.g. two routes into a forbidden
+    call, share their feedback on purpose.)"""
+    task = TASKS[task_id]
+    feedback = {name: _feedback(task, _wrong_outcomes(task_id, name)) for name in task.wrong}
+    names = list(feedback)
+    same = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+            if feedback[a] == feedback[b] and task.wrong[a].hint != task.wrong[b].hint]
+    assert not same, f"{task_id}: entries that get the same feedback on every case: {same}"
+
+
+@pytest.mark.parametrize("task_id", ALL)
+def test_feedback_names_only_its_own_bug(task_id):
+    """Issue 20: a hint fires only when the submission's behaviour fits it, so no entry's feedback names another's bug."""
+    task = TASKS[task_id]
+    wrong = [(name, outcomes) for name, outcomes in _catalogue(task_id) if name != "reference"]
+    found = []
+    for name, outcomes in wrong:
+        feedback = _feedback(task, outcomes)
+        assert task.wrong[name].hint in feedback, f"feedback for {name!r} lacks its hint:\n{feedback}"
+        for other, entry in task.wrong.items():
+            if other == name or entry.hint in task.wrong[name].hint or (task_id, name, other) in SHARED_HINTS:
+                continue
+            if entry.hint in feedback:
+                found.append(f"{name!r} gets {other!r}'s hint {entry.hint!r}")
+    assert not found, f"{task_id}: feedback that names another entry's bug:\n" + "\n".join(found)
+
+
+def test_shared_hints_are_real_pairs():
+    """Every exception names two entries of one task whose hints really do show up in each other's feedback."""
+    for (task_id, name, other), why in SHARED_HINTS.items():
+        task = TASKS[task_id]
+        assert name in task.wrong and other in task.wrong and why.strip(), (task_id, name, other)
+        assert task.wrong[other].hint in _feedback(task, _wrong_outcomes(task_id, name)), (
+            f"{task_id}: {name!r} no longer gets {other!r}'s hint: remove the exception"
+        )
 
 
 @pytest.mark.parametrize("task_id,name", WRONG, ids=[f"{t}:{n}" for t, n in WRONG])

@@ -168,12 +168,14 @@ def test_gradient_cases_are_finite_forward_and_hold_their_bugs():
         model, x = case.args
         assert torch.isfinite(model(x)).all(), case.name
     answers = [_first_nonfinite_gradient_reference(copy.deepcopy(c.args[0]), c.args[1]) for c in cases]
-    assert answers == ["1", "blocks.0.norm", "2", "2", "culprit", None]
+    assert answers == ["1", "blocks.0.norm", "2", "2", "culprit", None, "culprit"]
     reports = [_backward_reports(copy.deepcopy(c.args[0]), c.args[1]) for c in cases]
-    assert [bool(r["input"]) and not r["nan_input"] for r in reports] == [False, False, True, True, False, False], (
+    assert [bool(r["input"]) and not r["nan_input"] for r in reports] == [False, False, True, True, False, False, False], (
         "cases 2 and 3 pass back an inf and no NaN: the isnan-only mistake is caught by them"
     )
     assert reports[4]["input"] == ["culprit", "inner"]  # 'inner' is defined first but reports second
+    # The last to report ('first') is not the first bad one in definition order ('second'): it tells those bugs apart.
+    assert reports[6]["input"] == ["culprit", "second", "first"]
 
 
 def test_gradient_task_leaves_the_case_models_untouched():

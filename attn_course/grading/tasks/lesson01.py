@@ -13,7 +13,7 @@ from ...attention import scaled_dot_product_attention, stable_softmax
 from .. import probes
 from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
+from ._common import answered, first_match, returned, same, seeded_randn, softmax_over_queries
 
 __all__ = ["STABLE_SOFTMAX", "ATTENTION", "ADDITIVE_ATTENTION", "COURSE_ATTENTION"]
 
@@ -39,8 +39,8 @@ COURSE_ATTENTION = (
 )
 
 _SHAPE_ERROR_HINTS = (
-    ("must match the size", "two tensors do not line up. For a row-wise reduction keep the reduced axis "
-     "(`amax(dim=-1, keepdim=True)`, `sum(dim=-1, keepdim=True)`) so it broadcasts back over the row."),
+    ("must match the size", "two tensors do not line up. A row-wise max or sum must keep the reduced axis "
+     "(as a size-1 axis) so that it broadcasts back over the row it came from."),
 )
 
 
@@ -99,8 +99,11 @@ def _diagnose_softmax_values(got: torch.Tensor, x: torch.Tensor) -> str | None:
              "your values sum to 1 down each column, not along each row: take the max and the sum over "
              "dim=-1 (the last axis), so that each row is a probability distribution."),
             (lambda: _exp_minus_row_max(x),
-             "you return exp(x - max) without dividing by the row sum: divide by "
-             "`.sum(dim=-1, keepdim=True)` of those exponentials."),
+             "you return exp(x - max) without dividing by the row sum: each row must be divided by the sum of "
+             "its own exponentials."),
+            (lambda: _exp_minus_row_max(x) / x.sum(dim=-1, keepdim=True),
+             "you divide the exponentials by the sum of the raw scores; the denominator is the sum of the "
+             "exponentials themselves, which makes each row sum to 1."),
             (lambda: torch.exp(x),
              "you return exp(x) without dividing by the row sum (and without subtracting the max)."),
         ],
@@ -119,6 +122,12 @@ def _diagnose_softmax_values(got: torch.Tensor, x: torch.Tensor) -> str | None:
     return None
 
 
+def _unguarded_softmax(x: torch.Tensor) -> torch.Tensor:
+    """The max-subtracted softmax without the empty-row guard: NaN on an all -inf row."""
+    exps = _exp_minus_row_max(x)
+    return exps / exps.sum(dim=-1, keepdim=True)
+
+
 def _diagnose_non_finite(got: torch.Tensor, x: torch.Tensor) -> str:
     """Why a row came out NaN/inf although its logits are finite."""
     bad_rows = (~torch.isfinite(got)).flatten(0, -2).any(dim=-1).nonzero()
@@ -128,14 +137,14 @@ def _diagnose_non_finite(got: torch.Tensor, x: torch.Tensor) -> str:
     if logits.max().item() > math.log(largest):
         return (
             f"row {row} has logits up to {logits.max().item():g} and exp() of that overflows to inf in "
-            f"{x.dtype} (inf / inf = NaN). Subtract each row's maximum before exp: every exponent is then "
-            "<= 0 and softmax does not change."
+            f"{x.dtype} (inf / inf = NaN). Shifting a row by a constant does not change its softmax: shift it so "
+            "that every exponent is <= 0."
         )
     if logits.max().item() < x.max().item() - 80:
         return (
             f"row {row} holds ordinary logits (max {logits.max().item():g}) yet comes out NaN: subtracting the max "
             "of the whole tensor is mathematically fine but makes exp() underflow to 0 for every entry of rows far "
-            "below that max (0 / 0 = NaN). Subtract each row's own max: amax(dim=-1, keepdim=True)."
+            "below that max (0 / 0 = NaN). The shift must be each row's own max, one per row."
         )
     return f"row {row} contains NaN/inf: subtract each row's maximum before exp."
 
@@ -165,6 +174,12 @@ def _judge_softmax(cases, outcomes):
                 raise Fail(f"{case.name}: {_diagnose_non_finite(got, x)}")
             expect_close(got, stable_softmax(x.double()), what=case.name, atol=atol, rtol=1e-3)
     with checklist.check("a row of all -inf (nothing to attend to) gives zeros, not NaN"):
+        # The "-inf - (-inf)" story fits only a softmax that is right except for the empty rows, on both cases
+        # (no max subtraction and a global max also give NaN there, and go wrong elsewhere).
+        unguarded = all(
+            outcomes[i].error is None and same(outcomes[i].returned, _unguarded_softmax(cases[i].args[0]))
+            for i in (_WITH_INF, _MASKED)
+        )
         for index, atol in ((_WITH_INF, 1e-9), (_MASKED, 1e-6)):
             case, outcome = cases[index], outcomes[index]
             got = returned(outcome, what=case.name, hints=_SHAPE_ERROR_HINTS)
@@ -173,11 +188,16 @@ def _judge_softmax(cases, outcomes):
             empty = torch.isneginf(x).all(dim=-1)  # (...,): rows with nothing to attend to
             if torch.isnan(got[empty]).any():
                 row = tuple(int(i) for i in empty.nonzero()[0])
+                why = (
+                    "Its max is -inf, and -inf - (-inf) is NaN. Shift a row whose max is not finite by 0 instead: "
+                    "exp(-inf) = 0, so all its exps are 0, and then its sum is 0 too: make sure the division does "
+                    "not compute 0 / 0." if unguarded else
+                    "exp(-inf) = 0, so all its exps are 0 and so is their sum: make sure the division does not "
+                    "compute 0 / 0."
+                )
                 raise Fail(
-                    f"{case.name}: row {row[0] if len(row) == 1 else row} is all -inf and you return NaN there. Its "
-                    "max is -inf, and -inf - (-inf) is NaN. The course's convention: such a row gives zeros. Shift "
-                    "a row whose max is not finite by 0 instead: exp(-inf) = 0, so all its exps are 0, and then "
-                    "its sum is 0 too: make sure the division does not compute 0 / 0."
+                    f"{case.name}: row {row[0] if len(row) == 1 else row} is all -inf and you return NaN there. The "
+                    f"course's convention: such a row is all zeros. {why}"
                 )
             if not torch.isfinite(got).all():
                 raise Fail(f"{case.name}: {_diagnose_non_finite(got.masked_fill(empty[..., None], 0.0), x)}")
@@ -277,13 +297,13 @@ STABLE_SOFTMAX = Task(
     judge=_judge_softmax,
     reference=_softmax_reference,
     wrong={
-        "no max subtraction (exp overflows)": Wrong(_softmax_no_max, "Subtract each row's maximum"),
+        "no max subtraction (exp overflows)": Wrong(_softmax_no_max, "overflows to inf"),
         "softmax over dim=-2": Wrong(_softmax_wrong_axis, "down each column"),
         "subtracts the max of the whole tensor": Wrong(_softmax_global_max, "whole tensor"),
         "exp without normalising": Wrong(_softmax_unnormalised, "without dividing by the row sum"),
-        "divides by the sum of the raw scores": Wrong(_softmax_divides_by_raw_sum, "should sum to 1"),
-        "max without keepdim=True": Wrong(_softmax_no_keepdim, "keepdim=True"),
-        "NaN on an all -inf row": Wrong(_softmax_nan_on_empty_rows, "gives zeros"),
+        "divides by the sum of the raw scores": Wrong(_softmax_divides_by_raw_sum, "sum of the raw scores"),
+        "max without keepdim=True": Wrong(_softmax_no_keepdim, "must keep the reduced axis"),
+        "NaN on an all -inf row": Wrong(_softmax_nan_on_empty_rows, "-inf - (-inf) is NaN"),
         "overwrites its input in place": Wrong(_softmax_in_place, "in place", kind="contract"),
         "calls torch.softmax (NaN on empty rows)": Wrong(_softmax_torch, "you called torch.softmax"),
         "torch.softmax with nan_to_num": Wrong(_softmax_torch_nan_to_num, "you called torch.softmax", kind="algorithm"),
@@ -366,16 +386,16 @@ def _diagnose_attention(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
              "the keys, so that each query distributes its attention over the keys."),
             (k_reshaped,
              "you reshaped k from (..., S, D) to (..., D, S). reshape keeps the memory order, so it scrambles keys and "
-             "features; swap the last two axes with k.transpose(-2, -1) instead."),
+             "features; k^T must swap the last two axes, so that each key keeps its own features."),
         ],
         atol=1e-7,
     )
 
 
 _ATTENTION_ERROR_HINTS = (
-    ("must match the size", "for batched tensors transpose only the last two axes of k: k.transpose(-2, -1) "
-     "(k.T and k.transpose(0, 1) also move batch axes)."),
-    ("cannot be multiplied", "q (..., L, D) @ k^T needs k^T of shape (..., D, S): use k.transpose(-2, -1)."),
+    ("must match the size", "for batched tensors, k^T must swap only the last two axes of k (k.T and "
+     "k.transpose(0, 1) also move the batch axes)."),
+    ("cannot be multiplied", "q (..., L, D) @ k^T needs k^T of shape (..., D, S): the last two axes of k, swapped."),
 )
 
 
@@ -507,11 +527,11 @@ ATTENTION = Task(
     wrong={
         "missing the 1/sqrt(D) scale": Wrong(_attention_no_scale, "did not scale"),
         "divides by D instead of sqrt(D)": Wrong(_attention_scale_by_d, "divide by sqrt(D)"),
-        "scales with the sequence length": Wrong(_attention_scale_by_length, "head dim"),
+        "scales with the sequence length": Wrong(_attention_scale_by_length, "uses the number of queries"),
         "softmax over dim=-2": Wrong(_attention_wrong_axis, "down each column"),
-        "k reshaped instead of transposed": Wrong(_attention_k_reshaped, "k.transpose(-2, -1)"),
+        "k reshaped instead of transposed": Wrong(_attention_k_reshaped, "reshape keeps the memory order"),
         "k.transpose(0, 1) on batched input": Wrong(
-            _attention_k_transposed_first_axes, "transpose only the last two axes"
+            _attention_k_transposed_first_axes, "swap only the last two axes"
         ),
         "returns the weights instead of the output": Wrong(_attention_returns_weights, "weights @ v"),
         "softmax without max subtraction": Wrong(_attention_naive_softmax, "overflow"),
@@ -568,10 +588,13 @@ def _additive_cases() -> list[Case]:
         Case("large scores, unbatched, Dq=3 != Dk=5: q (4, 3), k (6, 5), v (6, 2), A=12, float32",
              (randn(4, 3, dtype=torch.float32), randn(6, 5, dtype=torch.float32),
               randn(6, 2, dtype=torch.float32), *weights(12, 3, 5, dtype=torch.float32, std=40.0))),
+        # L = S, so that scores laid out (S, L) instead of (L, S) have the right shape and can be recognised.
+        Case("as many queries as keys, L = S = 4, Dq=5 != Dk=3, A=6: q (2, 4, 5), k (2, 4, 3), v (2, 4, 3), float64",
+             (randn(2, 4, 5), randn(2, 4, 3), randn(2, 4, 3), *weights(6, 5, 3))),
     ]
 
 
-_ADD_BATCHED, _ADD_HEADS, _ADD_UNBATCHED, _ADD_LARGE, _ADD_LARGE_UNBATCHED = range(5)
+_ADD_BATCHED, _ADD_HEADS, _ADD_UNBATCHED, _ADD_LARGE, _ADD_LARGE_UNBATCHED, _ADD_SQUARE = range(6)
 
 
 def _additive_scores(q, k, w_q, w_k, w, *, squash=torch.tanh):
@@ -595,6 +618,9 @@ def _diagnose_additive(got, q, k, v, w_q, w_k, w) -> str | None:
              "W_q q + W_k k before projecting with w."),
             (lambda: stable_softmax(_additive_scores(q, k, w_q, w_k, w), dim=-2) @ v,
              "your weights sum to 1 over the queries (dim=-2): softmax over dim=-1, the keys."),
+            (lambda: stable_softmax(_additive_scores(q, k, w_q, w_k, w).transpose(-2, -1)) @ v,
+             "your scores are laid out (..., S, L), keys by queries: the queries' projections broadcast along the key "
+             "axis and the keys' along the query axis. Each row of the scores must belong to one query."),
             (lambda: stable_softmax(_additive_scores(q, k, w_q, w_k, w) / math.sqrt(A)) @ v,
              f"you divided the scores by sqrt(A) = sqrt({A}): additive attention has no such scale (the tanh already "
              "bounds each feature in [-1, 1]; w sets the size of the scores)."),
@@ -609,14 +635,14 @@ def _diagnose_additive(got, q, k, v, w_q, w_k, w) -> str | None:
     )
 
 
+_STEP_BY_STEP = ("check the shapes step by step: the projected queries are (..., L, A) and the projected keys "
+                 "(..., S, A); every query meets every key in an (..., L, S, A) sum, which w reduces to the "
+                 "(..., L, S) scores.")
 _ADDITIVE_ERROR_HINTS = (
-    ("cannot be multiplied", "check the shapes step by step: w_q is (A, Dq) like an nn.Linear weight, so "
-     "q @ w_q.T is (..., L, A) and k @ w_k.T is (..., S, A); add them as (..., L, 1, A) + (..., 1, S, A) to get "
-     "(..., L, S, A), then @ w gives the (..., L, S) scores."),
-    ("must match the size", "check the shapes step by step: q @ w_q.T is (..., L, A) and k @ w_k.T is (..., S, A); "
-     "add them as (..., L, 1, A) + (..., 1, S, A) to get (..., L, S, A), then @ w gives the (..., L, S) scores."),
-    ("expected size", "check the shapes step by step: q @ w_q.T is (..., L, A) and k @ w_k.T is (..., S, A); "
-     "add them as (..., L, 1, A) + (..., 1, S, A) to get (..., L, S, A), then @ w gives the (..., L, S) scores."),
+    ("cannot be multiplied", "check the shapes step by step: w_q is (A, Dq), stored like an nn.Linear weight, and "
+     "the projected queries must come out (..., L, A), the projected keys (..., S, A)."),
+    ("must match the size", _STEP_BY_STEP),
+    ("expected size", _STEP_BY_STEP),
 )
 
 
@@ -634,6 +660,7 @@ def _judge_additive(cases, outcomes):
     sections = (
         ("batched, queries and keys of different sizes (Dq != Dk, L != S)", (_ADD_BATCHED,)),
         ("with heads, and unbatched", (_ADD_HEADS, _ADD_UNBATCHED)),
+        ("as many queries as keys (L = S)", (_ADD_SQUARE,)),  # where scores laid out (S, L) can be recognised
     )
     for title, indices in sections:
         with checklist.check(title):
@@ -727,7 +754,7 @@ ADDITIVE_ATTENTION = Task(
         "weights not transposed (q @ w_q)": Wrong(_additive_untransposed, "like an nn.Linear weight"),
         "divides by sqrt(A)": Wrong(_additive_scaled, "no such scale"),
         "sums the tanh features instead of projecting with w": Wrong(_additive_summed_features, "projecting them with w"),
-        "queries and keys broadcast the wrong way round": Wrong(_additive_keys_and_queries_swapped, "(..., L, 1, A)"),
+        "queries and keys broadcast the wrong way round": Wrong(_additive_keys_and_queries_swapped, "laid out (..., S, L)"),
         "dot-product attention instead": Wrong(_additive_is_dot_product, "is scaled dot-product attention"),
         "softmax without max subtraction": Wrong(_additive_naive_softmax, "overflows"),
         "returns the weights instead of the output": Wrong(_additive_returns_weights, "weights @ v"),

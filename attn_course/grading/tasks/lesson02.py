@@ -34,7 +34,7 @@ _RESHAPE_ERROR_HINTS = (
     ("is invalid for input of size", "the sizes in your view/reshape do not multiply to the tensor's size. Use the "
      "num_heads argument (never a fixed number) and D = E // num_heads."),
     ("view size is not compatible", "after a transpose or permute the memory is no longer contiguous, so .view() "
-     "cannot flatten it: use .reshape() (copies when needed) or .contiguous().view()."),
+     "cannot flatten it: a view needs contiguous memory (reshape copies when it must)."),
 )
 
 # The course's own head bookkeeping, batch-first: calling it is not writing it.
@@ -220,7 +220,7 @@ SPLIT_HEADS = Task(
     judge=_judge_split,
     reference=_split_reference,
     wrong={
-        "reshape straight to (B, H, L, D) (mixes tokens)": Wrong(_split_reshape_straight, "straight to (B, H, L, D)"),
+        "reshape straight to (B, H, L, D) (mixes tokens)": Wrong(_split_reshape_straight, "reshaped (L, B, E) straight to"),
         "lesson 02's batch-first recipe on (L, B, E)": Wrong(_split_as_if_batch_first, "treated the first axis as the batch"),
         "heads not moved: returns (B, L, H, D)": Wrong(_split_heads_not_moved, "before the sequence axis"),
         "head h takes every H-th feature": Wrong(_split_strided_heads, "every H-th feature"),
@@ -256,15 +256,14 @@ def _diagnose_merge(got: torch.Tensor, x: torch.Tensor) -> str | None:
         [
             (lambda: x.reshape(L, B, H * D),
              "you reshaped (B, H, L, D) straight to (L, B, E) without moving any axis: each output row now mixes "
-             "features of different tokens, heads and batch elements. Permute to (L, B, H, D) first, then flatten "
-             "the last two axes."),
+             "features of different tokens, heads and batch elements. The axes must be moved into (L, B, H, D) "
+             "order before H and D are joined."),
             (lambda: x.transpose(1, 2).reshape(B, L, H * D).reshape(L, B, H * D),
              "you merged to the batch-first (B, L, E), then reshaped that to (L, B, E). reshape never swaps axes: it "
-             "re-reads the same memory, so batch elements and positions get mixed. Swap them with .transpose(0, 1) "
-             "(or permute straight to (L, B, H, D))."),
+             "re-reads the same memory, so batch elements and positions get mixed: only moving axes swaps them."),
             (lambda: x.permute(2, 0, 3, 1).reshape(L, B, H * D),
              "the features of head h must sit together at h*D .. (h+1)*D - 1; yours are interleaved (you flattened "
-             "(D, H) instead of (H, D)). Permute to (L, B, H, D), then flatten the last two axes."),
+             "(D, H) instead of (H, D)): head must be the slower-varying of the two axes you join."),
         ],
         atol=0,
         rtol=0,
@@ -280,7 +279,7 @@ def _merge_shape_hint(got: torch.Tensor, B: int, H: int, L: int, D: int) -> str:
         return ("That is (B, L, E), the batch-first layout of lesson 02; this exercise works in PyTorch's default "
                 "sequence-first layout, (L, B, E).")
     if shape == (L, B, H, D):
-        return "That is (L, B, H, D): flatten the last two axes into E = H * D, e.g. .reshape(L, B, H * D)."
+        return "That is (L, B, H, D), the heads not yet joined: the output has one axis of E = H * D features."
     if shape in ((L, B, D), (B, L, D), (B, H, D)):
         return "Merging concatenates the heads' features (E = H * D); summing or averaging over heads loses them."
     return "Move the axes to (L, B, H, D) with permute, then flatten H and D into E = H * D."
@@ -362,9 +361,9 @@ MERGE_HEADS = Task(
         "reshape straight to (L, B, E) (mixes tokens)": Wrong(_merge_reshape_straight, "straight to (L, B, E)"),
         "returns the batch-first (B, L, E)": Wrong(_merge_batch_first, "sequence-first layout, (L, B, E)"),
         "batch-first merge reshaped to (L, B, E)": Wrong(_merge_batch_first_then_reshape, "reshape never swaps axes"),
-        ".view() after .permute()": Wrong(_merge_view_after_permute, ".contiguous().view()"),
+        ".view() after .permute()": Wrong(_merge_view_after_permute, "a view needs contiguous memory"),
         "heads interleaved (flattens (D, H))": Wrong(_merge_interleaved, "interleaved"),
-        "returns (L, B, H, D) without flattening": Wrong(_merge_not_flattened, "flatten the last two axes"),
+        "returns (L, B, H, D) without flattening": Wrong(_merge_not_flattened, "the heads not yet joined"),
         "sums over heads instead of concatenating": Wrong(_merge_sum_heads, "concatenates"),
         "calls attn_course.merge_heads": Wrong(_merge_with_the_library, "you called attn_course.merge_heads", kind="algorithm"),
     },
@@ -765,15 +764,20 @@ def _diagnose_prune(got, in_w, in_b, out_w, H, keep) -> str | None:
          "W_in must meet head i of the pruned W^O. Use one order for both."),
         (lambda: _prune_variant(in_w, in_b, out_w, H, keep, offsets=False),
          "your in_proj_weight repeats the same rows three times: the kept heads' rows of W_q. in_proj_weight stacks "
-         "[W_q; W_k; W_v], each (E, E), so the same heads' rows of W_k start at row E and those of W_v at row 2E: add "
-         "E and 2E to the row indices of the second and third blocks (and the same for in_proj_bias)."),
+         "[W_q; W_k; W_v], each (E, E), so the same heads' rows of W_k start at row E and those of W_v at row 2E: "
+         "each block (and in_proj_bias alike) must be pruned at its own offset."),
         (lambda: _prune_variant(in_w, in_b, out_w, H, keep, out_rows_transposed=True),
          "your out_proj_weight holds the kept heads' rows of W^O, transposed to fit the shape. W^O (out_proj.weight, "
-         "(E, E), used as x @ W^O.T) reads head h through its columns h*D .. (h+1)*D - 1: slice columns, "
-         "out_proj_weight[:, rows], not rows."),
+         "(E, E), used as x @ W^O.T) reads head h through its columns h*D .. (h+1)*D - 1: it is those columns that "
+         "must be pruned, not rows."),
         (lambda: _prune_variant(in_w, in_b, out_w, H, dropped),
          f"you returned the heads that should go ({dropped}) and removed the ones in keep ({keep})."),
     ]
+    first = list(range(len(keep)))
+    if first != keep:  # where keep is 0 .. K-1 the first K heads are the right answer
+        checks.append((lambda: _prune_variant(in_w, in_b, out_w, H, first),
+                       f"you kept heads {first}, the first {len(keep)}, whatever keep says: keep the heads listed in "
+                       f"keep ({keep}), in that order."))
     for variant, message in checks:
         if dropped or "should go" not in message:
             if matches(variant):
@@ -905,13 +909,13 @@ PRUNE_HEADS = Task(
     wrong={
         "heads taken as strided rows": Wrong(_prune_strided, "every H-th row"),
         "W^O's rows pruned instead of its columns": Wrong(_prune_out_rows, "prune its columns"),
-        "W^O's rows, transposed to the right shape": Wrong(_prune_out_rows_transposed, "slice columns"),
-        "W_q's rows three times (no E and 2E offsets)": Wrong(_prune_no_offsets, "add E and 2E"),
+        "W^O's rows, transposed to the right shape": Wrong(_prune_out_rows_transposed, "transposed to fit the shape"),
+        "W_q's rows three times (no E and 2E offsets)": Wrong(_prune_no_offsets, "repeats the same rows three times"),
         "W^O in sorted order, W_in in keep's order": Wrong(_prune_out_sorted, "Use one order for both"),
         "keeps the dropped heads": Wrong(_prune_complement, "the heads that should go"),
         "every value head kept": Wrong(_prune_all_values, "every head of W_v"),
         "in_proj_bias not pruned": Wrong(_prune_bias_untouched, "prune it like the weight's rows"),
-        "always the first K heads": Wrong(_prune_first_rows, "the pruned layer's output is wrong"),
+        "always the first K heads": Wrong(_prune_first_rows, "whatever keep says"),
         "zeroes the dropped heads in the caller's W^O": Wrong(_prune_zeroes_in_place, "in place", kind="contract"),
     },
 )

@@ -42,9 +42,10 @@ def _diagnose_causal(got: torch.Tensor, L: int, S: int) -> str:
     expected = causal_mask(L, S)
     ones = torch.ones(L, S, dtype=torch.bool)
     if torch.equal(got, torch.tril(ones, diagonal=1)):
-        return "row 0 can see position 1: is your causal mask shifted by one? (diagonal=0, not 1)"
+        return ("row 0 can see position 1: your causal mask is shifted by one, so every query also sees the key "
+                "just after it. Query i may see keys 0..i, none after.")
     if torch.equal(got, torch.tril(ones, diagonal=-1)):
-        return "no query can see its own position: the diagonal must be True (torch.tril with diagonal=0)."
+        return "no query can see its own position: the diagonal must be True (a query may attend to itself)."
     if L != S and torch.equal(got, torch.tril(ones, diagonal=S - L)):
         return "your mask is bottom-right aligned; PyTorch's is_causal (and this course) aligns it top-left: query i sees keys 0..i."
     if torch.equal(got, ~expected):
@@ -62,8 +63,10 @@ def _judge_causal(cases, outcomes):
         for case, outcome in zip(cases, outcomes):
             L, S = case.args
             mask = returned_tensor(outcome, what=case.name)
-            expect_shape(mask, (L, S), what=case.name, hint="Rows are queries (L), columns are keys (S).")
-            expect_dtype(mask, torch.bool, what=case.name, hint="Return a boolean mask, e.g. with torch.ones(..., dtype=torch.bool).")
+            square = tuple(mask.shape) == (L, L) and L != S
+            expect_shape(mask, (L, S), what=case.name, hint="Your mask is (L, L): it ignores S. Rows are queries (L), "
+                         "columns are keys (S)." if square else "Rows are queries (L), columns are keys (S).")
+            expect_dtype(mask, torch.bool, what=case.name, hint="Return a boolean mask: True = may attend.")
     with checklist.check("square masks: query i sees keys 0..i"):
         for case, outcome in zip(cases, outcomes):
             L, S = case.args
@@ -145,8 +148,8 @@ CAUSAL_MASK = Task(
         "diagonal excluded (diagonal=-1)": Wrong(_causal_strict, "own position"),
         "polarity flipped (True = blocked)": Wrong(_causal_flipped, "swapped"),
         "float 0/1 instead of bool": Wrong(_causal_float, "dtype torch.float32", kind="contract"),
-        "ignores S (always square)": Wrong(_causal_square_only, "shape"),
-        "bottom-right aligned": Wrong(_causal_bottom_right, "top-left"),
+        "ignores S (always square)": Wrong(_causal_square_only, "it ignores S"),
+        "bottom-right aligned": Wrong(_causal_bottom_right, "bottom-right aligned"),
         "calls attn_course.causal_mask": Wrong(_causal_with_the_library, "you called attn_course.causal_mask", kind="algorithm"),
         "PyTorch's nn.Transformer.generate_square_subsequent_mask": Wrong(
             _causal_from_torch_transformer, "you called torch.nn.Transformer.generate_square_subsequent_mask",
@@ -343,7 +346,7 @@ def _diagnose_masked(got, q, k, v, mask, *, atol=1e-9, rtol=1e-7) -> str | None:
              "-inf before the softmax."),
             (lambda: scaled_dot_product_attention(q, k, v, ~mask),
              "you blocked exactly the keys that are allowed: True and False are swapped. In this course True means "
-             "'may attend', so block where the mask is False: scores.masked_fill(~mask, float('-inf'))."),
+             "'may attend', so the blocked keys are where the mask is False."),
             (lambda: torch.matmul(torch.softmax(_scores(q, k), dim=-1) * mask, v),
              "you zeroed the blocked weights after the softmax without renormalising: the remaining weights no "
              "longer sum to 1. Mask the scores (with -inf) before the softmax instead."),
@@ -393,9 +396,8 @@ def _judge_masked(cases, outcomes):
             if torch.isnan(got[empty]).any():
                 raise Fail(
                     f"{case.name}: the rows of queries with nothing to attend to are NaN. All their scores are -inf, "
-                    "and softmax of an all -inf row is 0 / 0. Give such rows zeros: e.g. "
-                    "torch.where(mask.any(dim=-1, keepdim=True), out, 0), or a softmax that returns 0 for all -inf "
-                    "rows (your stable_softmax from lesson 01)."
+                    "and softmax of an all -inf row is 0 / 0. Such rows must come out as zeros, as your stable_softmax "
+                    "from lesson 01 gives for an all -inf row."
                 )
             uniform = v.double().mean(dim=-2, keepdim=True).expand(got.shape)  # (..., L, Dv)
             if torch.allclose(got.double()[empty], uniform[empty], atol=1e-3):

@@ -322,17 +322,17 @@ def _diagnose_saved(got: float, fn, args, others=()) -> str:
                 "hook of torch.autograd.graph.saved_tensors_hooks receives.")
     variants = [
         (lambda: _count(fn, *args, size="numel"),
-         "you counted elements, not bytes: multiply by the element size (t.element_size(), 8 for float64, 2 for "
-         "float16), or use t.untyped_storage().nbytes()."),
+         "you counted elements, not bytes: each element takes its dtype's size (8 bytes in float64, 2 in "
+         "float16)."),
         (lambda: _count(fn, *args, size="float32"),
-         "you assumed 4 bytes per element. float64 takes 8 and float16 takes 2: use t.element_size() or "
-         "t.untyped_storage().nbytes()."),
+         "you assumed 4 bytes per element. float64 takes 8 and float16 takes 2: the size follows each tensor's "
+         "dtype."),
         (lambda: _count(fn, *args, dedup=False),
          "you counted a tensor every time it was saved. x * x saves x twice, but it is one tensor in memory: "
-         "count each storage once (key a dict by t.untyped_storage().data_ptr())."),
+         "each storage counts once, however often it is saved."),
         (lambda: _count(fn, *args, size="view"),
          "you counted the size of each saved view. A view (a slice, a transpose) keeps its whole storage alive: "
-         "count t.untyped_storage().nbytes()."),
+         "it is the storage's size that is held in memory."),
         (lambda: _output_bytes(fn, *args),
          "you measured the output of fn. Count what autograd saves for backward: the tensors the pack hook receives."),
         (lambda: _input_bytes(fn, *args),
@@ -435,7 +435,7 @@ SAVED_TENSOR_BYTES = Task(
     wrong={
         "elements instead of bytes": Wrong(_saved_numel, "counted elements, not bytes"),
         "4 bytes per element whatever the dtype": Wrong(_saved_float32, "assumed 4 bytes per element"),
-        "a tensor saved twice counted twice": Wrong(_saved_duplicates, "count each storage once"),
+        "a tensor saved twice counted twice": Wrong(_saved_duplicates, "each storage counts once"),
         "views counted by their own size": Wrong(_saved_views, "keeps its whole storage alive"),
         "the output's bytes": Wrong(_saved_output, "measured the output"),
         "the inputs' bytes": Wrong(_saved_inputs, "counted the inputs"),
@@ -486,12 +486,12 @@ def _counted_training_flops(B: int, H: int, L: int, S: int, D: int, Dv: int, rec
     return counter.get_total_flops()
 
 
-def _diagnose_training(got: float, B: int, H: int, L: int, S: int, D: int, Dv: int, recompute: bool) -> str:
-    expected = _counted_training_flops(B, H, L, S, D, Dv, recompute)
+def _training_stories(B: int, H: int, L: int, S: int, D: int, Dv: int, recompute: bool) -> list[tuple[float, str]]:
+    """What each classic mistake counts on one case, with its message (in the order the judge tries them)."""
     forward = 2 * B * H * L * S * (D + Dv)
     scores = 2 * B * H * L * S * D  # one Q K^T
     extra = scores if recompute else 0
-    candidates = [
+    return [
         (forward + extra, "you counted the forward pass only. Training also runs the backward pass: every forward "
                           "product C = A @ B needs dA = dC @ B^T and dB = A^T @ dC."),
         (2 * forward + extra, "your backward pass has one product per forward product. It needs two: dA = dC @ B^T "
@@ -499,22 +499,35 @@ def _diagnose_training(got: float, B: int, H: int, L: int, S: int, D: int, Dv: i
         (3 * forward, "with recompute=True the backward pass has no weights to read: it recomputes the scores "
                       "Q K^T first (one more 2·L·S·D per batch element and head) -- only those, not the product "
                       "with V."),
-        (4 * forward, "recomputing redoes the scores Q K^T only, not the whole forward pass: the product with V is "
-                      "not needed again (its output was kept)."),
-        (3 * forward + 2 * B * H * L * S * Dv, "the backward pass recomputes Q K^T (2·L·S·D), not the weights @ V "
-                                               "(2·L·S·Dv)."),
-        (6 * B * H * L * S * (2 * D) + (2 * B * H * L * S * D if recompute else 0),
+        (4 * forward if recompute else 3 * forward,
+         "recomputing redoes the scores Q K^T only, not the whole forward pass: the product with V is "
+         "not needed again (its output was kept)."),
+        (3 * forward + (2 * B * H * L * S * Dv if recompute else 0),
+         "the backward pass recomputes Q K^T (2·L·S·D), not the weights @ V (2·L·S·Dv)."),
+        (6 * B * H * L * S * (2 * D) + extra,
          "you used D for Dv. The product with V costs 2·L·S·Dv forward, and so does each of its two gradients."),
         (forward + 2 * B * H * L * S * (2 * D + Dv) + extra,
          "your backward pass leaves out a gradient: dV = P^T @ dO is a product too, (S, L) @ (L, Dv)."),
         ((3 * forward + extra) / (B * H), "you counted one batch element and one head: multiply by B·H."),
         (3 * forward + extra - forward, "the forward pass is part of the training step too: add it."),
     ]
-    for value, message in candidates:
-        if value != expected and math.isclose(got, value, rel_tol=1e-9):
+
+
+def _diagnose_training(index: int, cases, answers: list[float | None]) -> str:
+    """The story that explains the answer on case ``index``, told only if it explains every other answer too.
+
+    On some shapes two mistakes give the same count (with D = Dv, leaving out dV and ignoring
+    recompute do), so one case alone cannot tell them apart; every case together can.
+    """
+    case = cases[index]
+    got = answers[index]
+    expected = _counted_training_flops(*case.args, **case.kwargs)
+    stories = [_training_stories(*c.args, **c.kwargs) for c in cases]
+    for n, (value, message) in enumerate(stories[index]):
+        if value == expected or not math.isclose(got, value, rel_tol=1e-9):
+            continue
+        if all(a is None or math.isclose(a, story[n][0], rel_tol=1e-9) for a, story in zip(answers, stories)):
             return message[:1].upper() + message[1:]
-    if recompute and math.isclose(got, expected - scores, rel_tol=1e-9):
-        return candidates[2][1][:1].upper() + candidates[2][1][1:]
     return (f"Expected {expected:,} FLOPs, got {got:,.0f}. Count every matrix product of the forward pass, then "
             "the two products each one needs in the backward pass (one per input), with the rule 2·m·k·n.")
 
@@ -523,6 +536,12 @@ def _judge_training(cases, outcomes):
     checklist = Checklist()
     with checklist.check("returns a number for every case"):
         _numbers(cases, outcomes)
+    answers = []
+    for case, outcome in zip(cases, outcomes):
+        try:
+            answers.append(_returned_number(outcome, what=case.name))
+        except Fail:
+            answers.append(None)
     for title, indices in (("forward and backward, the weights stored (recompute=False)", _STORED),
                            ("the backward pass recomputes the scores (recompute=True)", _RECOMPUTED)):
         with checklist.check(title):
@@ -531,7 +550,7 @@ def _judge_training(cases, outcomes):
                 got = _returned_number(outcomes[index], what=case.name)
                 expected = _counted_training_flops(*case.args, **case.kwargs)
                 if not math.isclose(got, expected, rel_tol=1e-9):
-                    raise Fail(f"{case.name}: {_diagnose_training(got, *case.args, **case.kwargs)}")
+                    raise Fail(f"{case.name}: {_diagnose_training(index, cases, answers)}")
     return checklist.results
 
 
@@ -582,7 +601,7 @@ TRAINING_FLOPS = Task(
     wrong={
         "forward pass only": Wrong(_training_forward_only, "counted the forward pass only"),
         "one backward product per forward product": Wrong(_training_one_backward_product, "It needs two"),
-        "recompute ignored": Wrong(_training_ignores_recompute, "recomputes the scores"),
+        "recompute ignored": Wrong(_training_ignores_recompute, "has no weights to read"),
         "recomputes the whole forward pass": Wrong(_training_recomputes_everything, "not the whole forward pass"),
         "recomputes the product with V instead of the scores": Wrong(_training_recomputes_values,
                                                                      "not the weights @ V"),

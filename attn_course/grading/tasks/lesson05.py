@@ -31,8 +31,8 @@ from ..judging import (
     expect_largest_below,
     expect_shape,
 )
-from ._common import answered, returned, seeded_randn
-from ._variants import distinct_match
+from ._common import answered, returned, same, seeded_randn
+from ._variants import consistent_match, distinct_match, largest_dims
 
 __all__ = ["SLIDING_WINDOW_MASK", "BLOCK_LOCAL_ATTENTION", "DILATED_WINDOW_ATTENTION"]
 
@@ -280,22 +280,21 @@ def _diagnose_block(got, q, k, v, block_size, mask) -> str | None:
         _block_expected(q, k, v, block_size, mask),
         [
             (lambda: scaled_dot_product_attention(q, k, v, mask),
-             "your output equals full attention: each query may only attend to the keys of its own block "
-             "(block i // block_size)."),
+             "your output equals full attention: each query may only attend to the keys of its own block."),
             (lambda: _block_form(q, k, v, block_size, mask, mask_padding=False),
              "the zero rows you padded with took part as keys: a zero key scores 0, and exp(0) = 1 gives it weight. "
-             "Mask the padded keys (-inf before the softmax) so the last, shorter block only sees real keys."),
+             "The last, shorter block must see only real keys."),
             (lambda: _block_form(q, k, v, block_size, mask, use_mask=False),
-             "your output ignores the key-padding mask: a key whose mask entry is False must get no weight. "
-             "Combine it with the mask of the padded keys before the softmax."),
+             "your output ignores the key-padding mask: a key whose mask entry is False must get no weight, "
+             "in every block."),
             (lambda: _block_form(q, k, v, block_size, mask, scale=1.0),
-             "the scores are not scaled: multiply q @ k^T by 1 / sqrt(D)."),
+             "the scores are not scaled: attention scales q @ k^T by 1 / sqrt(D), in every block."),
             (lambda: _block_form(q, k, v, block_size, mask, softmax_dim=-2),
              "the softmax ran over the queries (dim=-2): each query's weights over its block's keys must sum to 1, "
              "softmax over dim=-1."),
             (lambda: _block_interleaved(q, k, v, block_size, mask),
-             "your blocks are interleaved: position i belongs to block i // block_size (reshape the length axis to "
-             "(L // block_size, block_size), in that order), not i % num_blocks."),
+             "your blocks are interleaved: you put position i in block i % num_blocks, but a block is a run of "
+             "block_size consecutive positions."),
         ],
     )
 
@@ -303,7 +302,8 @@ def _diagnose_block(got, q, k, v, block_size, mask) -> str | None:
 _BLOCK_ERROR_HINTS = (
     ("invalid for input of size",
      "a view into (L // block_size, block_size) blocks needs L to be a multiple of the block, the source article's "
-     "bug. Pad q, k, v with zero rows up to a multiple (F.pad), mask the padded keys, and slice the output back to L."),
+     "bug. Any length must work: the last block is then shorter (or padded, the padding never seen as a key and "
+     "not returned)."),
     ("not enough values to unpack",
      "do not assume a (B, H, L, D) layout: work on the last two axes, (..., L, D)."),
 )
@@ -329,6 +329,28 @@ def _block_flops(q, k, v, block_size) -> int:
     return _heads(q) * per_head
 
 
+def _block_memory_story(outcome, case, values_right: bool) -> str:
+    """What the largest tensor says went wrong, from its shape; the general rule when the shape tells nothing."""
+    q, _, v, block_size, _ = case.args
+    L = q.shape[-2]
+    padded = math.ceil(L / block_size) * block_size
+    needed = padded // block_size
+    dims = largest_dims(outcome)
+    holds = (f"holds ceil(L / b) = {needed} blocks of (b, b) = ({block_size}, {block_size}) "
+            f"scores per batch element and head, on a sequence of {L} positions padded to at most {padded}.")
+    if values_right and dims.count(L) >= 2:
+        return (f"your values are right, but you reached them through an (L, L) = ({L}, {L}) matrix or mask. "
+                f"Block-local attention never needs an (L, L) tensor: it {holds}")
+    if len(dims) >= 2 and dims[-2:] == (block_size, block_size) and math.prod(dims[:-2]) > _heads(q) * needed:
+        blocks = math.prod(dims[:-2]) // _heads(q)
+        return (f"that is {blocks} blocks of ({block_size}, {block_size}) scores per batch element and head where "
+                f"{needed} suffice: pad the sequence only up to the next multiple of the block ({L} -> {padded}).")
+    if len(dims) >= 2 and dims[-1] == L and dims[-2] < L:
+        return (f"your scores have one column for every key of the sequence (the last axis is L = {L}), however few "
+                f"queries each piece holds: a query needs only the {block_size} keys of its own block. Block-local attention {holds}")
+    return f"block-local attention {holds} (A broadcast product instead of matmul holds D times more.)"
+
+
 def _judge_block(cases, outcomes):
     checklist = Checklist()
     with checklist.check("output has shape (..., L, Dv) and the input's dtype"):
@@ -336,7 +358,7 @@ def _judge_block(cases, outcomes):
             q, _, v = case.args[:3]
             hint = ""
             if got.dim() == q.dim() and got.shape[-2] > q.shape[-2]:
-                hint = "You returned the padded length: slice the output back to the first L positions."
+                hint = "You returned the padded length: the output has one row per position of the input, L of them."
             expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name, hint=hint)
             expect_dtype(got, q.dtype, what=case.name)
 
@@ -349,8 +371,7 @@ def _judge_block(cases, outcomes):
             if torch.isnan(got).any() and not torch.isnan(expected).any():
                 raise Fail(
                     f"{case.name}: NaN in your output. A query whose block holds no real key has only -inf scores, "
-                    "and softmax of nothing but -inf is 0/0. Give such a query a zero row (torch.nan_to_num, or "
-                    "torch.where on the rows that have a key), as dense attention does."
+                    "and softmax of nothing but -inf is 0/0. Such a query gets a zero row, as in dense attention."
                 )
             atol = 1e-5 if case.args[0].dtype == torch.float32 else 1e-9
             expect_close(got, expected, what=case.name, atol=atol, rtol=atol, hint=lambda: _diagnose_block(got, *case.args) or "")
@@ -364,6 +385,10 @@ def _judge_block(cases, outcomes):
     ):
         with checklist.check(title):
             values(indices)
+    values_right = all(  # the algorithm stories (an (L, L) matrix, ...) are told only for the right values
+        o.error is None and same(o.returned, _block_expected(*c.args), atol=1e-5, rtol=1e-5)
+        for c, o in zip(cases, outcomes)
+    )
     with checklist.check("never more than ceil(L / b) blocks of (b, b) scores: every intermediate stays within "
                          "B·H·L_padded·max(b, D, Dv) elements, L_padded the next multiple of b"):
         for index in (_LONG, _LONG_MASKED):
@@ -374,11 +399,7 @@ def _judge_block(cases, outcomes):
             padded = math.ceil(L / block_size) * block_size
             expect_largest_below(
                 outcome, _block_limit(q, v, block_size), what=case.name,
-                constraint=f"block-local attention holds ceil(L / b) = {padded // block_size} blocks of (b, b) = "
-                f"({block_size}, {block_size}) scores, on a sequence padded only up to the next multiple of the block "
-                f"({L} -> {padded}), and never an (L, L) matrix or mask. Pad by (-L) % block_size rows, reshape "
-                "(..., L_padded, D) -> (..., L_padded // b, b, D), and use matmul for the scores (a broadcast product "
-                "holds D times more).",
+                constraint=_block_memory_story(outcome, case, values_right),
             )
     with checklist.check(f"work grows like L·b, not L·L (within {FLOP_FACTOR}x block-local attention's)"):
         for index in (_LONG, _LONG_MASKED):
@@ -500,26 +521,26 @@ BLOCK_LOCAL_ATTENTION = Task(
     judge=_judge_block,
     reference=_block_reference,
     wrong={
-        "the article's view (L must be a multiple)": Wrong(_block_article, "Pad q, k, v"),
+        "the article's view (L must be a multiple)": Wrong(_block_article, "the source article's bug"),
         "padded keys not masked": Wrong(_block_padding_unmasked, "padded with took part as keys"),
         "key-padding mask ignored": Wrong(_block_ignores_mask, "ignores the key-padding mask"),
-        "NaN for a query with no real key": Wrong(_block_nan_rows, "zero row"),
+        "NaN for a query with no real key": Wrong(_block_nan_rows, "nothing but -inf is 0/0"),
         "no 1/sqrt(D) scale": Wrong(_block_unscaled, "not scaled"),
         "softmax over the queries": Wrong(_block_softmax_queries, "softmax over dim=-1"),
-        "interleaved blocks": Wrong(_block_interleaved, "i // block_size"),
-        "padding not sliced off": Wrong(_block_not_sliced, "slice the output back"),
+        "interleaved blocks": Wrong(_block_interleaved, "blocks are interleaved"),
+        "padding not sliced off": Wrong(_block_not_sliced, "You returned the padded length"),
         "full attention": Wrong(_block_full, "equals full attention"),
         "scales q in place": Wrong(_block_in_place, "in place", kind="contract"),
-        "dense attention with the block mask": Wrong(_dense_block_mask, "never an (L, L) matrix", kind="algorithm"),
+        "dense attention with the block mask": Wrong(_dense_block_mask, "never needs an (L, L) tensor", kind="algorithm"),
         "padded to L * block_size (L blocks, not ceil(L / b))": Wrong(
-            _block_oversized_padding, "padded only up to the next multiple", kind="algorithm"
+            _block_oversized_padding, "only up to the next multiple of the block", kind="algorithm"
         ),
         "a whole extra block of padding when L is a multiple of b": Wrong(
-            _block_extra_block, "padded only up to the next multiple", kind="algorithm"
+            _block_extra_block, "only up to the next multiple of the block", kind="algorithm"
         ),
-        "padded to 2L": Wrong(_block_padded_to_twice, "padded only up to the next multiple", kind="algorithm"),
+        "padded to 2L": Wrong(_block_padded_to_twice, "only up to the next multiple of the block", kind="algorithm"),
         "chunks of queries scored against every key, then masked": Wrong(
-            _block_query_chunks, "scoring every query against every key", kind="algorithm"
+            _block_query_chunks, "one column for every key of the sequence", kind="algorithm"
         ),
         "calls attn_course.sparse_attention": Wrong(
             _block_delegates, "you called attn_course.sparse_attention", kind="algorithm"
@@ -597,11 +618,9 @@ def _dilated_form(q, k, v, window, dilation, *, steps=None, scale=None, edges="m
     return torch.matmul(weights[..., None, :], values)[..., 0, :]  # (..., L, Dv)
 
 
-def _diagnose_dilated(got, q, k, v, window, dilation) -> str | None:
-    return distinct_match(
-        got,
-        _dilated_expected(q, k, v, window, dilation),
-        [
+def _dilated_variants(q, k, v, window, dilation):
+    """The classic mistakes of dilated window attention on one case, as ``(make, message)``."""
+    return [
             (lambda: _dilated_form(q, k, v, window, 1),
              "you ignored the dilation: that is a plain sliding window. Query i sees the keys i + m * dilation for "
              "m = -window .. window, so its reach is window * dilation positions each way."),
@@ -615,16 +634,24 @@ def _diagnose_dilated(got, q, k, v, window, dilation) -> str | None:
              "your window only looks backwards. Without a causal mask it looks both ways: m = -window .. +window."),
             (lambda: _dilated_form(q, k, v, window, dilation, edges="zeros"),
              "near the ends of the sequence, positions outside it took part as zero keys: a zero key scores 0 and "
-             "exp(0) = 1 gives it weight. Mask the keys that fall outside the sequence (-inf before the softmax)."),
+             "exp(0) = 1 gives it weight. Keys that fall outside the sequence must get no weight at all."),
             (lambda: _dilated_form(q, k, v, window, dilation, edges="wrap"),
-             "near the ends of the sequence your window wraps around to the other end (torch.roll, or an index "
-             "modulo L). Keys outside the sequence must be left out: mask them, do not wrap them."),
+             "near the ends of the sequence your window wraps around to the other end (as torch.roll or an index "
+             "modulo L do). Keys outside the sequence must be left out, not brought back in."),
             (lambda: _dilated_form(q, k, v, window, dilation, scale=1.0),
-             "the scores are not scaled: multiply them by 1 / sqrt(D)."),
+             "the scores are not scaled: attention scales them by 1 / sqrt(D)."),
             (lambda: _dilated_form(q, k, v, window, dilation, softmax_dim=-2),
              "the softmax ran over the queries: each query's weights over its own keys must sum to 1."),
-        ],
-    )
+    ]
+
+
+def _diagnose_dilated(got, q, k, v, window, dilation) -> str | None:
+    """The mistake that explains ``got`` on this one case (the judge also checks it against the other cases)."""
+    return distinct_match(got, _dilated_expected(q, k, v, window, dilation), _dilated_variants(q, k, v, window, dilation))
+
+
+def _dilated_tolerance(q, *args):
+    return (1e-5, 1e-5) if q.dtype == torch.float32 else (1e-9, 1e-9)
 
 
 def _dilated_flops(q, k, v, window, dilation) -> int:
@@ -632,6 +659,18 @@ def _dilated_flops(q, k, v, window, dilation) -> int:
     L, D, Dv = q.shape[-2], q.shape[-1], v.shape[-1]
     keys = 2 * window + 1
     return _heads(q) * L * keys * (3 * D + 3 * Dv + 4)
+
+
+def _dilated_work_story(outcome, case) -> str:
+    """Why the work is quadratic; "in small pieces" only when no (L, L) tensor was built (that check tells the rest)."""
+    L = case.args[0].shape[-2]
+    largest = outcome.probe.get("largest_numel") if isinstance(outcome.probe, dict) else None
+    small = isinstance(largest, int) and not isinstance(largest, bool) and largest < L * L
+    rule = "Score each query against its own 2 * window + 1 keys only"
+    if small:
+        return (f"{rule}: your tensors stay below (L, L), but you still score each query against every key and mask "
+                "afterwards, which costs O(L^2) however small the pieces.")
+    return f"{rule}: the other keys get no weight, so they need no score."
 
 
 def _judge_dilated(cases, outcomes):
@@ -655,7 +694,9 @@ def _judge_dilated(cases, outcomes):
                 expected = _dilated_expected(*case.args)
                 atol = 1e-5 if case.args[0].dtype == torch.float32 else 1e-9
                 expect_close(got, expected, what=case.name, atol=atol, rtol=atol,
-                             hint=lambda: _diagnose_dilated(got, *case.args) or "")
+                             hint=lambda: consistent_match(index, cases, outcomes, expected=_dilated_expected,
+                                                           variants=_dilated_variants,
+                                                           tolerance=_dilated_tolerance) or "")
     with checklist.check("never forms an (L, L) tensor, not even the mask: every intermediate stays below L * L"):
         for index in (_DILATED_LONG, _DILATED_LONG_2):
             case, outcome = cases[index], outcomes[index]
@@ -665,9 +706,8 @@ def _judge_dilated(cases, outcomes):
             expect_largest_below(
                 outcome, L * L, what=case.name,
                 constraint=f"a dilated window gives each query {2 * window + 1} keys, so it never needs the (L, L) = "
-                f"({L}, {L}) scores or mask. Gather each query's keys, positions i + m * {dilation} for "
-                f"m = -{window} .. {window} (an (L, {2 * window + 1}) index tensor, or a loop over m), score those, "
-                "and mask the ones outside the sequence.",
+                f"({L}, {L}) scores or mask: every query reads only positions i + m * {dilation} for "
+                f"m = -{window} .. {window}.",
             )
     with checklist.check(f"work grows like L·(2·window + 1), not L·L (within {FLOP_FACTOR}x the gathered form's)"):
         for index in (_DILATED_LONG, _DILATED_LONG_2):
@@ -676,8 +716,7 @@ def _judge_dilated(cases, outcomes):
             intended = _dilated_flops(*case.args)
             expect_flops_at_most(
                 outcome, FLOP_FACTOR * intended, what=case.name, intended=intended,
-                hint="Score each query against its own 2 * window + 1 keys only: scoring it against every key and "
-                "masking costs O(L^2), however small the pieces.",
+                hint=_dilated_work_story(outcome, case),
             )
     with checklist.check("leaves q, k and v unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -792,7 +831,7 @@ DILATED_WINDOW_ATTENTION = Task(
         "scales q in place": Wrong(_dilated_in_place, "in place", kind="contract"),
         "dense attention with the dilated mask": Wrong(_dilated_dense, "never needs the (L, L)", kind="algorithm"),
         "chunks of queries scored against every key, then masked": Wrong(
-            _dilated_query_chunks, "scoring it against every key", kind="algorithm"
+            _dilated_query_chunks, "however small the pieces", kind="algorithm"
         ),
         "calls attn_course.sparse_attention on each residue class": Wrong(
             _dilated_delegates, "you called attn_course.sparse_attention", kind="algorithm"

@@ -23,8 +23,8 @@ from ..judging import (
     expect_largest_below,
     expect_shape,
 )
-from ._common import answered, returned, seeded_randn
-from ._variants import distinct_match
+from ._common import answered, returned, same, seeded_randn
+from ._variants import distinct_match, largest_dims
 
 __all__ = ["LINEAR_ATTENTION", "CAUSAL_LINEAR_ATTENTION", "CHUNKWISE_CAUSAL_LINEAR_ATTENTION"]
 
@@ -131,11 +131,10 @@ def _diagnose_linear(got, q, k, v, mask) -> str | None:
              "you left out eps. Add eps = 1e-6 to the denominator, num / (den + eps): it keeps rows whose "
              "denominator is 0 finite, and the checker expects exactly that formula."),
             (lambda: linear_attention(q, k, v),
-             "your output ignores the padding mask: padded keys must add nothing to phi(K)^T V or to z. Zero their "
-             "features, e.g. phi_k * mask.transpose(-2, -1)."),
+             "your output ignores the padding mask: padded keys must add nothing to phi(K)^T V or to z."),
             (lambda: _values_masked_only(q, k, v, mask),
              "you removed the padded keys from the numerator only: they still count in the normaliser "
-             "z = sum_j phi(k_j). Zero their features (not just their values)."),
+             "z = sum_j phi(k_j): a padded key must be gone from both."),
             (lambda: _numerator_only(q, k, v, mask),
              "the output is not normalised: divide phi(Q) (phi(K)^T V) by phi(Q) z + eps, with z = sum_j phi(k_j)."),
             (lambda: linear_attention(q, k, v, mask, feature_map="relu"),
@@ -143,9 +142,17 @@ def _diagnose_linear(got, q, k, v, mask) -> str | None:
             (lambda: _eps_outside(q, k, v, mask),
              "eps belongs in the denominator: num / (den + eps), not num / den + eps."),
             (lambda: torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v,
-             "that is softmax attention. Linear attention replaces exp(q.k) by phi(q).phi(k) with phi(x) = elu(x) + 1."),
+             "that is softmax attention. Linear attention replaces exp(q.k) by phi(q).phi(k), with the feature map "
+             "phi of this task."),
         ],
     )
+
+
+def _small_tensors_story(outcome, quadratic: int, rule: str, story: str) -> str:
+    """The work check's hint: ``story`` (quadratic work in small pieces) only when no quadratic tensor was built."""
+    largest = outcome.probe.get("largest_numel") if isinstance(outcome.probe, dict) else None
+    small = isinstance(largest, int) and not isinstance(largest, bool) and largest < quadratic
+    return f"{rule} {story[0].upper()}{story[1:]}" if small else rule
 
 
 def _judge_linear(cases, outcomes):
@@ -168,8 +175,8 @@ def _judge_linear(cases, outcomes):
             expect_shape(got, expected.shape, what=case.name)
             if index == _ALL_PADDING and torch.isnan(got).any():
                 raise Fail(
-                    f"{case.name}: the all-padding sequence gives NaN. Its z is 0, so the denominator is 0: add "
-                    "eps = 1e-6 to it, num / (den + eps), and those rows become 0."
+                    f"{case.name}: the all-padding sequence gives NaN. Its z is 0, so the denominator is 0: with eps "
+                    "in the denominator, num / (den + eps), those rows are 0."
                 )
             expect_close(got, expected, what=case.name, atol=atol, rtol=atol, hint=lambda: _diagnose_linear(got, *case.args) or "")
     with checklist.check("long sequences (hundreds of queries and keys) match the library"):
@@ -180,27 +187,36 @@ def _judge_linear(cases, outcomes):
             expect_shape(got, expected.shape, what=case.name)
             hint = lambda: _diagnose_linear(got, *case.args) or ""  # computed only for a wrong answer
             expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=hint)
+    linear_values_right = all(  # the (L, S) story is told only for the right values
+        o.error is None and same(o.returned, linear_attention(*c.args), atol=1e-5, rtol=1e-5)
+        for c, o in zip(cases, outcomes)
+    )
     with checklist.check("never forms an (L, S) matrix: every intermediate stays below L * S elements"):
         for index in (_LONG, _LONG_PADDED):
             case, outcome = cases[index], outcomes[index]
             returned(outcome, what=case.name)
             q, k = case.args[:2]
             L, S = q.shape[-2], k.shape[-2]
+            rule = ("phi(Q) (phi(K)^T V), with z = sum_j phi(k_j), keeps every intermediate O((L + S) M), far below "
+                    "L * S.")
             expect_largest_below(
                 outcome, L * S, what=case.name,
-                constraint=f"linear attention never forms the (L, S) = ({L}, {S}) matrix of query-key weights. Compute "
-                "phi(K)^T V (M x Dv) and z = sum_j phi(k_j) first, then apply phi(Q) to them: every intermediate is "
-                "then O((L + S) M), far below L * S.",
+                constraint=(f"your values are right, but linear attention never forms the (L, S) = ({L}, {S}) matrix "
+                            f"of query-key weights: {rule}") if linear_values_right else f"linear attention: {rule}",
             )
     with checklist.check(f"work grows like L + S, not L * S (within {FLOP_FACTOR}x the reassociated form's)"):
         for index in (_LONG, _LONG_PADDED):
             case, outcome = cases[index], outcomes[index]
             returned(outcome, what=case.name)
             intended = _linear_flops(*case.args[:3])
+            q_len, k_len = case.args[0].shape[-2], case.args[1].shape[-2]
             expect_flops_at_most(
                 outcome, FLOP_FACTOR * intended, what=case.name, intended=intended,
-                hint="Reassociate: phi(Q) (phi(K)^T V) costs O((L + S) M Dv); any route that scores every query "
-                "against every key costs O(L S), whether it builds the matrix at once or loops over queries.",
+                hint=_small_tensors_story(
+                    outcome, q_len * k_len,
+                    "Reassociate: phi(Q) (phi(K)^T V) costs O((L + S) M Dv).",
+                    "your tensors stay below (L, S), but a loop that scores every query against every key still costs "
+                    "O(L S)."),
             )
     with checklist.check("leaves q, k, v and the mask unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -279,16 +295,16 @@ LINEAR_ATTENTION = Task(
     judge=_judge_linear,
     reference=_linear_reference,
     wrong={
-        "no eps": Wrong(_linear_no_eps, "add eps"),
+        "no eps": Wrong(_linear_no_eps, "left out eps"),
         "ignores the padding mask": Wrong(_linear_ignores_mask, "ignores the padding mask"),
         "padding zeroed in the values only": Wrong(_values_masked_only, "numerator only"),
         "not normalised": Wrong(_numerator_only, "not normalised"),
-        "relu feature map": Wrong(_linear_relu, "elu(x) + 1"),
+        "relu feature map": Wrong(_linear_relu, "used relu as the feature map"),
         "eps added to the output": Wrong(_linear_eps_outside, "belongs in the denominator"),
         "softmax attention": Wrong(_linear_softmax, "is softmax attention"),
         "the quadratic form phi(Q) phi(K)^T": Wrong(_linear_quadratic, "never forms the (L, S)", kind="algorithm"),
         "one query at a time against every key": Wrong(
-            _linear_query_by_query, "scores every query against every key", kind="algorithm"
+            _linear_query_by_query, "tensors stay below (L, S)", kind="algorithm"
         ),
         "calls attn_course.linear_attention": Wrong(
             _linear_delegates, "you called attn_course.linear_attention", kind="algorithm"
@@ -369,11 +385,10 @@ def _diagnose_causal(got, q, k, v) -> str | None:
              "you left out eps. Add eps = 1e-6 to the denominator, num / (den + eps): it keeps rows whose "
              "denominator is 0 finite, and the checker expects exactly that formula."),
             (lambda: linear_attention(q, k, v),
-             "position t used keys after t: your output equals non-causal linear attention. Use prefix sums "
-             "(cumsum over the positions) instead of sums over the whole sequence."),
+             "position t used keys after t: your output equals non-causal linear attention, sums over the whole "
+             "sequence where position t may read only the prefix j <= t."),
             (lambda: _prefix_sums(q, k, v, exclusive=True),
-             "position t must include its own key and value: S_t = sum over j <= t (an inclusive cumsum), "
-             "not j < t."),
+             "position t must include its own key and value: S_t sums over j <= t, not j < t."),
             (lambda: _prefix_sums(q, k, v, reverse=True),
              "you summed from the end (j >= t): causal attention reads the past, j <= t."),
             (lambda: _prefix_sums(q, k, v, normalise=False),
@@ -420,8 +435,8 @@ def _judge_causal(cases, outcomes):
         expect_shape(got, expected.shape, what=case.name)
         if torch.isnan(got).any():
             raise Fail(
-                f"{case.name}: NaN in your output. phi(q_4) is 0, so both numerator and denominator are 0 there: add "
-                "eps = 1e-6 to the denominator, num / (den + eps)."
+                f"{case.name}: NaN in your output. phi(q_4) is 0, so both numerator and denominator are 0 there: eps "
+                "in the denominator, num / (den + eps), keeps that row finite."
             )
         expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_causal(got, *case.args) or "")
     with checklist.check("float32 inputs"):
@@ -456,8 +471,11 @@ def _judge_causal(cases, outcomes):
             intended = _causal_flops(*case.args)
             expect_flops_at_most(
                 outcome, FLOP_FACTOR * intended, what=case.name, intended=intended,
-                hint="Build each prefix sum from the previous one (cumsum, or S_t = S_(t-1) + phi(k_t) v_t^T): summing "
-                "from scratch at every position, or weighting every earlier key for every query, costs O(L^2).",
+                hint=_small_tensors_story(
+                    outcome, case.args[0].shape[-2] ** 2,
+                    "Each prefix sum is the previous one plus one position's term: O(L) in all.",
+                    "your tensors stay below (L, L), but summing each prefix from scratch at every position, or "
+                    "weighting every earlier key for every query, costs O(L^2)."),
             )
     with checklist.check("leaves q, k and v unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -558,12 +576,12 @@ CAUSAL_LINEAR_ATTENTION = Task(
     judge=_judge_causal,
     reference=_causal_reference,
     wrong={
-        "sums over the whole sequence (not causal)": Wrong(_causal_non_causal, "leaks from the future"),
+        "sums over the whole sequence (not causal)": Wrong(_causal_non_causal, "equals non-causal linear attention"),
         "exclusive prefix sums (j < t)": Wrong(_causal_exclusive, "include its own key"),
         "suffix sums (j >= t)": Wrong(_causal_reversed, "summed from the end"),
-        "no eps": Wrong(_causal_no_eps, "add eps"),
+        "no eps": Wrong(_causal_no_eps, "left out eps"),
         "not normalised": Wrong(_causal_unnormalised, "not normalised"),
-        "relu feature map": Wrong(_causal_relu, "elu(x) + 1"),
+        "relu feature map": Wrong(_causal_relu, "used relu as the feature map"),
         "features computed in place": Wrong(_causal_loop_in_place, "in place", kind="contract"),
         "causal mask on the quadratic form": Wrong(
             _causal_masked_quadratic, "never forms the (L, L)", kind="algorithm"
@@ -572,7 +590,7 @@ CAUSAL_LINEAR_ATTENTION = Task(
             _causal_rows_into_a_matrix, "never forms the (L, L)", kind="algorithm"
         ),
         "prefix sums recomputed from scratch at every position": Wrong(
-            _causal_sums_from_scratch, "summing from scratch", kind="algorithm"
+            _causal_sums_from_scratch, "summing each prefix from scratch", kind="algorithm"
         ),
         "calls attn_course.linear_attention(is_causal=True)": Wrong(
             _causal_delegates, "you called attn_course.linear_attention", kind="algorithm"
@@ -664,20 +682,20 @@ def _diagnose_chunkwise(got, q, k, v, chunk_size) -> str | None:
         linear_attention_quadratic(q, k, v, is_causal=True),
         [
             (lambda: _chunkwise_form(q, k, v, chunk_size, intra="all"),
-             "inside a chunk your queries read the whole chunk, later keys included: mask the (c, c) scores to "
-             "keys j <= t (tril) before using them."),
+             "inside a chunk your queries read the whole chunk, later keys included: within the chunk too, query t "
+             "may use only keys j <= t."),
             (lambda: _chunkwise_form(q, k, v, chunk_size, intra="strict"),
-             "inside a chunk, query t must include its own key: keep the diagonal, tril(0), not tril(-1)."),
+             "inside a chunk, query t must include its own key: the diagonal of the (c, c) scores counts."),
             (lambda: _chunkwise_form(q, k, v, chunk_size, update_first=True),
              "you added the chunk to the state before reading it, so the chunk counts twice (through the state "
              "and through its own (c, c) scores). Read the state of the chunks before, then update it."),
             (lambda: _chunkwise_form(q, k, v, chunk_size, carry=False),
-             "each chunk starts from an empty state: carry S and z from chunk to chunk (S += phi(K_c)^T V_c, "
-             "z += the sum of phi(K_c)), so that later chunks see the earlier ones."),
+             "each chunk starts from an empty state: S and z must carry every earlier chunk's keys and values into "
+             "the later chunks."),
             (lambda: linear_attention(q, k, v),
              "position t used keys after t: your output equals non-causal linear attention."),
             (lambda: _chunkwise_form(q, k, v, chunk_size, eps=0.0),
-             "you left out eps. Add eps = 1e-6 to the denominator, num / (den + eps)."),
+             "you left out eps: the denominator is den + eps, with eps = 1e-6."),
             (lambda: _chunkwise_form(q, k, v, chunk_size, normalise=False),
              "the output is not normalised: divide by the chunk's score row sums plus phi(q_t) . z, plus eps."),
             (lambda: _chunkwise_form(q, k, v, chunk_size, feature_map=F.relu),
@@ -688,11 +706,11 @@ def _diagnose_chunkwise(got, q, k, v, chunk_size) -> str | None:
 
 _CHUNKWISE_ERROR_HINTS = (
     ("invalid for input of size",
-     "a view into (L // chunk_size, chunk_size) chunks needs L to be a multiple of the chunk. Let the last chunk "
-     "be shorter: slice [start : start + chunk_size] in a loop, or pad and mask."),
+     "a view into (L // chunk_size, chunk_size) chunks needs L to be a multiple of the chunk. Any length must "
+     "work: let the last chunk be shorter (or pad it, the padding never counting)."),
     ("unflatten",
-     "a view into (L // chunk_size, chunk_size) chunks needs L to be a multiple of the chunk. Let the last chunk "
-     "be shorter: slice [start : start + chunk_size] in a loop, or pad and mask."),
+     "a view into (L // chunk_size, chunk_size) chunks needs L to be a multiple of the chunk. Any length must "
+     "work: let the last chunk be shorter (or pad it, the padding never counting)."),
 )
 
 
@@ -729,7 +747,7 @@ def _judge_chunkwise(cases, outcomes):
                 if torch.isnan(got).any():
                     raise Fail(
                         f"{case.name}: NaN in your output. Where phi(q_t) is 0 numerator and denominator are both 0: "
-                        "add eps = 1e-6 to the denominator, num / (den + eps)."
+                        "eps in the denominator, num / (den + eps), keeps that row finite."
                     )
                 atol = 1e-5 if q.dtype == torch.float32 else 1e-9
                 hint = _diagnose_chunkwise(got, *case.args) if q.dtype == torch.float64 else ""
@@ -752,12 +770,14 @@ def _judge_chunkwise(cases, outcomes):
             returned(outcome, what=case.name)
             q, _, v, chunk_size = case.args
             M, Dv = q.shape[-1], v.shape[-1]
+            rule = (f"the chunkwise form holds one (c, c) block of scores per chunk and one state S (M, Dv) = "
+                    f"({M}, {Dv}) per chunk boundary, never a state per position.")
+            dims = largest_dims(outcome)
+            per_position = len(dims) >= 3 and dims[-2:] == (M, Dv) and dims[-3] in (chunk_size, q.shape[-2])
             expect_largest_below(
                 outcome, _heads(q) * chunk_size * M * Dv, what=case.name,
-                constraint=f"per-position prefix sums S_t, (c, M, Dv) = ({chunk_size}, {M}, {Dv}) per chunk and head, "
-                "are what the chunkwise form avoids. Inside a chunk use the (c, c) scores phi(Q_c) phi(K_c)^T, "
-                "masked to j <= t, times V_c; for the chunks before, phi(Q_c) S and phi(Q_c) z with one state S "
-                "(M, Dv) per chunk boundary.",
+                constraint=(f"those are per-position prefix sums S_t, an (M, Dv) = ({M}, {Dv}) state for each of "
+                            f"{dims[-3] if dims else 0} positions: {rule}") if per_position else rule,
             )
     with checklist.check(f"work grows like L, not L * L (within {FLOP_FACTOR}x the chunkwise form's)"):
         for index in (_CW_LONG, _CW_LONG_2):
@@ -766,8 +786,11 @@ def _judge_chunkwise(cases, outcomes):
             intended = _chunkwise_flops(*case.args)
             expect_flops_at_most(
                 outcome, FLOP_FACTOR * intended, what=case.name, intended=intended,
-                hint="Update the state once per chunk from the previous one (S += phi(K_c)^T V_c): summing it again "
-                "from the start for every chunk or position costs O(L^2).",
+                hint=_small_tensors_story(
+                    outcome, case.args[0].shape[-2] ** 2,
+                    "Each chunk's state is the previous chunk's plus that chunk's keys and values: O(L) in all.",
+                    "your tensors stay below (L, L), but summing the state again from the start for every chunk or "
+                    "position costs O(L^2)."),
             )
     with checklist.check("leaves q, k and v unchanged"):
         for case, outcome, _ in answered(cases, outcomes, hints=_CHUNKWISE_ERROR_HINTS):
@@ -884,9 +907,9 @@ CHUNKWISE_CAUSAL_LINEAR_ATTENTION = Task(
         "state updated before it is read": Wrong(_chunkwise_update_first, "counts twice"),
         "state not carried between chunks": Wrong(_chunkwise_no_carry, "empty state"),
         "assumes L is a multiple of chunk_size": Wrong(_chunkwise_whole_chunks, "last chunk be shorter"),
-        "no eps": Wrong(_chunkwise_no_eps, "add eps"),
+        "no eps": Wrong(_chunkwise_no_eps, "left out eps"),
         "not normalised": Wrong(_chunkwise_unnormalised, "not normalised"),
-        "relu feature map": Wrong(_chunkwise_relu, "elu(x) + 1"),
+        "relu feature map": Wrong(_chunkwise_relu, "used relu as the feature map"),
         "features computed in place": Wrong(_chunkwise_in_place, "in place", kind="contract"),
         "task 2's prefix sums over the whole sequence": Wrong(
             _chunkwise_prefix_sums, "per-position prefix sums", kind="algorithm"
@@ -896,7 +919,7 @@ CHUNKWISE_CAUSAL_LINEAR_ATTENTION = Task(
         ),
         "causal mask on the quadratic form": Wrong(_chunkwise_quadratic, "never forms the (L, L)", kind="algorithm"),
         "each position's state summed from scratch": Wrong(
-            _chunkwise_state_from_scratch, "from the start for every chunk", kind="algorithm"
+            _chunkwise_state_from_scratch, "summing the state again from the start", kind="algorithm"
         ),
         "calls attn_course.linear_attention(is_causal=True)": Wrong(
             _chunkwise_delegates, "you called attn_course.linear_attention", kind="algorithm"

@@ -35,7 +35,7 @@ from ..judging import (
     expect_shape,
     expect_widest_below,
 )
-from ._common import answered, returned, seeded_randn
+from ._common import answered, returned, same, seeded_randn
 from ._variants import distinct_match
 
 __all__ = ["MERGE_PARTIALS", "ONLINE_SOFTMAX_ATTENTION", "CAUSAL_CHUNKED_ATTENTION"]
@@ -156,8 +156,8 @@ def _diagnose_merge_acc(got_acc, first, second) -> str | None:
         expected.acc,
         [
             (lambda: first[0] + second[0],
-             "you added the two acc tensors as they are. Each is relative to its own max: rescale to the common max "
-             "m = max(m1, m2) first, acc = acc1 * exp(m1 - m) + acc2 * exp(m2 - m)."),
+             "you added the two acc tensors as they are. Each is relative to its own max: both must be rescaled to "
+             "the common max before they are added."),
             (lambda: _merge_inverted(first, second)[0],
              "your rescaling factor is upside down: it is exp(m_i - m), the old max minus the new one, which is <= 1."),
             (lambda: finish_partial(expected),
@@ -197,7 +197,7 @@ def _judge_merge(cases, outcomes):
             expected = torch.maximum(case.args[0][1], case.args[1][1])
             expect_shape(row_max, expected.shape, what=f"{case.name}: row_max")
             if not torch.equal(row_max, expected):
-                raise Fail(f"{case.name}: row_max should be max(m1, m2) per row (torch.maximum), so later chunks are "
+                raise Fail(f"{case.name}: row_max should be max(m1, m2) per row, so later chunks are "
                            "rescaled against the largest score seen so far.")
     for title, index in (("acc and row_sum rescaled to the common max", _TWO_CHUNKS),
                          ("logits x50: no overflow", _LARGE)):
@@ -260,7 +260,7 @@ MERGE_PARTIALS = Task(
     judge=_judge_merge,
     reference=_merge_reference,
     wrong={
-        "adds without rescaling": Wrong(_merge_naive_sum, "rescale to the common max"),
+        "adds without rescaling": Wrong(_merge_naive_sum, "relative to its own max"),
         "inverted rescaling factor": Wrong(_merge_inverted, "upside down"),
         "keeps the first chunk's max": Wrong(_merge_keeps_first_max, "max(m1, m2)"),
         "NaN when both maxima are -inf": Wrong(_merge_nan_on_empty, "exp(nan)"),
@@ -418,20 +418,24 @@ def _diagnose_online(got, q, k, v, chunk_size, mask=None) -> str | None:
             (lambda: _online_variant(q, k, v, chunk_size, mask, rescale=False),
              "when the running max rises from m to m', the old sum and acc were computed with exp(s - m): multiply "
              "them by exp(m - m') before adding the new chunk."),
+            (lambda: _online_variant(q, k, v, chunk_size, mask, subtract_max=False),
+             "exp of a raw score of a few hundred overflows float32 (max about 3.4e38, exp(89) already): subtract the "
+             "running max before exp."),
+            (lambda: _online_variant(q, k, v, chunk_size, mask, update_max=False),
+             "you subtract the first chunk's max only: a later chunk with larger scores still overflows exp. The "
+             "running max must keep rising with every chunk (and the old sums be rescaled when it does)."),
             (lambda: _online_variant(q, k, v, chunk_size, mask, average=True),
              "you averaged per-chunk softmax outputs. That weighs every chunk equally, whatever its scores: keep "
              "running sums instead and divide once at the end."),
             (lambda: _online_variant(q, k, v, chunk_size, mask, skip_last=True),
-             "your loop skips the last, shorter chunk of keys: use range(0, S, chunk_size) and slice k[..., start:"
-             "start + chunk_size] (slicing past the end is fine)."),
+             "your loop skips the last, shorter chunk of keys: every key counts, also when S is not a multiple of "
+             "the chunk."),
             (lambda: _online_variant(q, k, v, chunk_size, mask, scale=1.0),
-             "the scores are not scaled: multiply q @ k^T by 1 / sqrt(D)."),
+             "the scores are not scaled: attention scales q @ k^T by 1 / sqrt(D)."),
             (lambda: _online_variant(q, k, v, chunk_size, mask, flip_mask=True),
-             "your mask is flipped: True means may attend, so blocked scores are where the mask is False "
-             "(masked_fill(~mask, -inf))."),
+             "your mask is flipped: True means may attend, so the blocked scores are where the mask is False."),
             (lambda: _online_variant(q, k, v, chunk_size, mask, ignore_mask=True),
-             "your output ignores the mask: give the scores of blocked keys -inf before the exp, chunk by chunk "
-             "(mask[..., start:start + chunk_size])."),
+             "your output ignores the mask: blocked keys must get no weight, in every chunk."),
         ],
     )
 
@@ -444,13 +448,63 @@ def _close(got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
 
 
 _EMPTY_CHUNK_HINT = (
-    "a chunk where a row may attend to no key has max = -inf, and exp(-inf - (-inf)) = exp(nan): shift such rows "
-    "by 0 instead (torch.where(torch.isfinite(m), m, 0)), so their exp terms are exp(-inf) = 0."
+    "a chunk where a row may attend to no key has max = -inf, and exp(-inf - (-inf)) = exp(nan): such rows must be "
+    "shifted by a finite number instead (0 will do), so that their exp terms are exp(-inf) = 0."
 )
 _EMPTY_ROW_HINT = (
-    "a row with no allowed key at all ends with row_sum = 0, and acc / 0 is NaN: divide by 1 there instead "
-    "(torch.where(row_sum == 0, 1, row_sum)), so the row comes out as zeros."
+    "a row with no allowed key at all ends with row_sum = 0, and acc / 0 is NaN: such a row's output is zeros, so "
+    "its division must not be by 0."
 )
+
+
+def _nan_story(got, case, cases, outcomes) -> str | None:
+    """Why the output has NaN on a masked case, told from where the NaN are and which variant they match.
+
+    On some cases the two NaN bugs give the same output (no chunk is empty for a row that has keys), so
+    a variant's story is told only when the answers on every masked case match it.
+    """
+    q, k, v, chunk_size, mask = _args(case)
+
+    def fits(**mistake) -> bool:
+        for other, outcome in zip(cases, outcomes):
+            oq, ok, ov, oc, omask = _args(other)
+            if omask is None or outcome.error is not None or not isinstance(outcome.returned, torch.Tensor):
+                continue
+            if not same(outcome.returned, _online_variant(oq, ok, ov, oc, omask, **mistake)):
+                return False
+        return True
+
+    nan_rows = torch.isnan(got).any(dim=-1)  # (B, H, L)
+    if not nan_rows.any():
+        return None
+    empty_rows = ~mask.any(dim=-1)  # (B, 1, L): rows with no allowed key at all
+    where = "a row that has allowed keys" if (nan_rows & ~empty_rows).any() else "a row with no allowed key"
+    if fits(guard=False):
+        return f"NaN in {where}: {_EMPTY_CHUNK_HINT}"
+    if (nan_rows & ~empty_rows).any():
+        return "NaN in a row that has allowed keys: a chunk, or a row, with no allowed key must add nothing."
+    if fits(guard_empty_rows=False):
+        return f"NaN in a row with no allowed key: {_EMPTY_ROW_HINT}"
+    return "NaN in a row with no allowed key: the course's convention gives such a row zeros."
+
+
+def _online_width_story(outcome, q, k, chunk_size) -> str:
+    """Why an op spanned all S keys, told from the shape it read (a chunk of queries, one (batch, head) slice)."""
+    L, S = q.shape[-2], k.shape[-2]
+    rule = (f"the online softmax reads the keys {chunk_size} at a time, so no softmax, max, sum or product in it ever "
+            f"spans all S = {S} keys of a row: it walks over the keys, keeping a running max, sum and output per query.")
+    shape = outcome.probe.get("widest_shape") if isinstance(outcome.probe, dict) else None
+    try:
+        dims = tuple(int(n) for n in shape.split(" x ")) if isinstance(shape, str) else ()
+    except ValueError:
+        dims = ()
+    if len(dims) >= 2 and dims[-1] == S and dims[-2] < L:
+        return (f"you take a full softmax over S for chunks of {dims[-2]} queries. Chunking the queries (the source "
+                f"article's MemoryEfficientAttention) still reads every key of a row at once: {rule}")
+    if len(dims) == 2 and dims == (L, S) and q.dim() > 2:
+        return (f"your (L, S) = ({L}, {S}) softmax is one (batch, head) slice's: looping over (batch, head) slices "
+                f"still reads every key of a row at once: {rule}")
+    return rule
 
 
 def _judge_online(cases, outcomes):
@@ -478,12 +532,9 @@ def _judge_online(cases, outcomes):
                     continue
                 hint = _diagnose_online(got, q, k, v, chunk_size, mask) or ""  # only for a wrong answer: it is slow
                 if tolerance > 1e-9:
-                    hint = hint or ("exp of a raw score of a few hundred overflows float32 (max about 3.4e38, exp(89) "
-                                    "already): subtract the running max before exp, and keep updating it as new "
-                                    "chunks arrive.")
-                    expect_finite(got, what=case.name, hint=hint)
+                    expect_finite(got, what=case.name, hint=hint or (_nan_story(got, case, cases, outcomes) if mask is not None else ""))
                 elif torch.isnan(got).any() and mask is not None:
-                    raise Fail(f"{case.name}: NaN in your output. {_EMPTY_CHUNK_HINT} And {_EMPTY_ROW_HINT}")
+                    raise Fail(f"{case.name}: {_nan_story(got, case, cases, outcomes)}")
                 expect_close(got, expected, what=case.name, atol=tolerance, rtol=tolerance, hint=hint)
     with checklist.check("a chunk with no allowed key adds nothing; a row with no allowed key at all gives zeros"):
         for index in (_ONLINE_MASKED, _ONLINE_PADDED):
@@ -492,12 +543,9 @@ def _judge_online(cases, outcomes):
             q, k, v, chunk_size, mask = _args(case)
             expected = _expected_online(q, k, v, mask)
             expect_shape(got, expected.shape, what=case.name)
-            empty_rows = ~mask.any(dim=-1)  # (B, 1, L): rows with no allowed key at all
-            nan_rows = torch.isnan(got).any(dim=-1)  # (B, H, L)
-            if (nan_rows & ~empty_rows).any():
-                raise Fail(f"{case.name}: NaN in a row that has allowed keys: {_EMPTY_CHUNK_HINT}")
-            if nan_rows.any():
-                raise Fail(f"{case.name}: NaN in a row with no allowed key: {_EMPTY_ROW_HINT}")
+            story = _nan_story(got, case, cases, outcomes)
+            if story:
+                raise Fail(f"{case.name}: {story}")
             if not _close(got, expected, 1e-9):
                 expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-9,
                              hint=lambda: _diagnose_online(got, q, k, v, chunk_size, mask) or "")
@@ -523,10 +571,7 @@ def _judge_online(cases, outcomes):
             q, k, _, chunk_size, _ = _args(case)
             expect_widest_below(
                 outcome, k.shape[-2], what=case.name,
-                constraint=f"the online softmax reads the keys {chunk_size} at a time, so no softmax, max, sum or "
-                f"product in it ever spans all S = {k.shape[-2]} keys of a row. Chunking the queries (the source "
-                "article's MemoryEfficientAttention) or looping over (batch, head) slices still takes a full softmax "
-                "over S for every row: walk over the keys instead, keeping a running max, sum and output per query.",
+                constraint=_online_width_story(outcome, q, k, chunk_size),
             )
     with checklist.check("leaves q, k, v and the mask unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -708,12 +753,12 @@ ONLINE_SOFTMAX_ATTENTION = Task(
     wrong={
         "old sum and acc not rescaled": Wrong(_online_no_rescale, "multiply them by exp(m - m')"),
         "averages per-chunk softmaxes": Wrong(_online_averaged, "weighs every chunk equally"),
-        "no max subtracted": Wrong(_online_raw_exp, "subtract the running max"),
+        "no max subtracted": Wrong(_online_raw_exp, "a raw score of a few hundred overflows float32"),
         "last chunk skipped": Wrong(_online_skip_last, "skips the last, shorter chunk"),
         "no 1/sqrt(D) scale": Wrong(_online_unscaled, "not scaled"),
-        "running max never updated": Wrong(_online_first_max_only, "keep updating it"),
-        "NaN on a chunk with no allowed key": Wrong(_online_nan_on_empty_chunk, "shift such rows by 0"),
-        "NaN on a row with no allowed key": Wrong(_online_nan_on_empty_row, "divide by 1 there instead"),
+        "running max never updated": Wrong(_online_first_max_only, "subtract the first chunk's max only"),
+        "NaN on a chunk with no allowed key": Wrong(_online_nan_on_empty_chunk, "exp(-inf - (-inf)) = exp(nan)"),
+        "NaN on a row with no allowed key": Wrong(_online_nan_on_empty_row, "acc / 0 is NaN"),
         "mask flipped": Wrong(_online_mask_flipped, "mask is flipped"),
         "mask ignored": Wrong(_online_mask_ignored, "ignores the mask"),
         "softmax of the whole score matrix": Wrong(_online_dense, "never holds all the scores at once",
@@ -835,7 +880,7 @@ def _diagnose_causal(got, q, k, v, chunk) -> str | None:
              "and this task, align it top-left: query i sees keys 0..i, whatever S is."),
             (lambda: _causal_variant(q, k, v, chunk, mask_inside=False),
              "inside the blocks you compute, the pairs with key > query are not masked: a query chunk's last block "
-             "reaches past the diagonal, so give those scores -inf."),
+             "reaches past the diagonal, and the keys past it are the future."),
             (lambda: _causal_variant(q, k, v, chunk, skip_diagonal=True),
              "you skip the diagonal block too: the key chunk that overlaps the query chunk holds each query's own "
              "key and its recent past. Skip only key chunks that start at or after the query chunk's end."),
@@ -863,6 +908,10 @@ def _judge_causal(cases, outcomes):
                 if not _close(got, expected, 1e-9):
                     expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-9,
                                  hint=lambda: _diagnose_causal(got, q, k, v, chunk) or "")
+    causal_values_right = all(  # "you compute the future and mask it" is told only for the right values
+        o.error is None and same(o.returned, _causal_expected(*c.args[:3]), atol=1e-9, rtol=1e-9)
+        for c, o in zip(cases, outcomes)
+    )
     with checklist.check("skips the future: the work of the blocks on or below the diagonal only "
                          f"(within {_CAUSAL_FLOP_FACTOR}x)"):
         for index in (_CAUSAL_LONG, _CAUSAL_LONG_WIDE):
@@ -870,14 +919,17 @@ def _judge_causal(cases, outcomes):
             returned(outcome, what=case.name)
             q, k, v, chunk = case.args
             intended = _causal_intended_flops(q, k, v, chunk)
+            L, S = q.shape[-2], k.shape[-2]
             n_q, n_k = math.ceil(q.shape[-2] / chunk), math.ceil(k.shape[-2] / chunk)
             computed = len(_causal_blocks(q.shape[-2], k.shape[-2], chunk))
+            largest = outcome.probe.get("largest_numel") if isinstance(outcome.probe, dict) else None
+            blocks = causal_values_right and isinstance(largest, int) and largest < q[..., 0, 0].numel() * L * S
+            story = (" You compute them and mask them: masking them to -inf still costs the work." if blocks else "")
             expect_flops_at_most(
                 outcome, _CAUSAL_FLOP_FACTOR * intended, what=case.name, intended=intended,
                 hint=f"Of the {n_q} x {n_k} blocks, only {computed} hold a key that some query of their chunk may see: "
-                "a key chunk that starts at or after the query chunk's end is entirely in the future. Do not compute "
-                "its scores at all (masking them to -inf still costs the work): stop the key loop at the end of the "
-                "query chunk.",
+                "a key chunk that starts at or after the query chunk's end is entirely in the future, and needs no "
+                f"scores at all.{story}",
             )
     with checklist.check("never forms an (L, S) matrix"):
         for index in (_CAUSAL_LONG, _CAUSAL_LONG_WIDE):

@@ -122,7 +122,7 @@ def _diagnose_entropy(got: torch.Tensor, weights: torch.Tensor) -> str | None:
             (lambda: -expected,
              "your entropies are negative: entropy is -sum w log w (log w <= 0, so the minus sign makes it >= 0)."),
             (lambda: expected / S,
-             "you averaged over the keys (.mean(dim=-1)): entropy is a sum over the keys, not a mean."),
+             "you averaged over the keys: entropy is a sum over the keys, not a mean."),
             (lambda: expected / math.log(S),
              "you divided by log(S): that is the normalised entropy (0..1). This task asks for plain nats."),
         ],
@@ -136,7 +136,7 @@ def _diagnose_entropy(got: torch.Tensor, weights: torch.Tensor) -> str | None:
         return (
             f"You added about {eps:.0e} inside the log, like the source article's log(w + 1e-9): that lowers every row's "
             "entropy by about that much per key, and in float16 it is no fix at all (1e-9 rounds to 0 there, and "
-            "0 * log 0 is NaN again). Take the log of 1 where w == 0 instead: torch.where(w > 0, w, 1)."
+            "0 * log 0 is NaN again). A zero weight must add exactly 0, and leave every other term as it is."
         )
     if weights.dtype == torch.float64 and first_match(
         got, [(lambda: attention_entropy(weights.float()).double(), "float32")], atol=1e-6, rtol=0.0
@@ -148,18 +148,18 @@ def _diagnose_entropy(got: torch.Tensor, weights: torch.Tensor) -> str | None:
     return None
 
 
-def _nan_message(case: Case, weights: torch.Tensor) -> str:
-    message = (
-        f"{case.name}: your result has NaN where a row holds zero weights. 0 * log(0) is 0 * -inf = NaN "
-        "in floating point, but its limit is 0: take the log of 1 where w == 0 "
-        "(torch.where(w > 0, w, 1)), or use torch.special.xlogy(w, w)."
-    )
-    if weights.dtype == torch.float16:
-        message += (
-            " Adding a tiny constant inside the log does not help in float16: 1e-9 is below its smallest number "
-            "and rounds to 0."
+def _nan_message(case: Case, weights: torch.Tensor, *, fudged: bool) -> str:
+    """Why a result with zero weights is NaN; ``fudged``: the other cases show a constant added inside the log."""
+    if fudged and weights.dtype == torch.float16:
+        return (
+            f"{case.name}: your result has NaN where a row holds zero weights. Adding a tiny constant inside the log "
+            "does not help in float16: 1e-9 is below its smallest number and rounds to 0, so the zero weights meet "
+            "log 0 again."
         )
-    return message
+    return (
+        f"{case.name}: your result has NaN where a row holds zero weights. 0 * log(0) is 0 * -inf = NaN "
+        "in floating point, but its limit is 0: a zero weight must add exactly 0 to the sum."
+    )
 
 
 def _judge_entropy(cases, outcomes):
@@ -169,6 +169,11 @@ def _judge_entropy(cases, outcomes):
             (weights,) = case.args
             expect_shape(got, weights.shape[:-1], what=case.name, hint=_entropy_shape_hint(got, weights))
             expect_dtype(got, weights.dtype, what=case.name)
+    fudged = any(  # the other cases show a constant added inside the log (the article's fudge)
+        outcomes[i].error is None and isinstance(outcomes[i].returned, torch.Tensor)
+        and _added_constant(outcomes[i].returned, cases[i].args[0]) is not None
+        for i in range(len(cases)) if cases[i].args[0].dtype == torch.float64
+    )
     for title, indices in (
         ("rows without zero weights: -sum w log w, in nats, exactly (no fudge)", (_DENSE, _FLOAT32)),
         ("zero weights (masked keys, fully masked rows) add nothing, and no NaN", (_CAUSAL, _EDGE)),
@@ -181,7 +186,7 @@ def _judge_entropy(cases, outcomes):
                 got = returned(outcome, what=case.name)
                 expect_shape(got, weights.shape[:-1], what=case.name, hint=_entropy_shape_hint(got, weights))
                 if torch.isnan(got).any() and ((weights == 0).any() or weights.dtype == torch.float16):
-                    raise Fail(_nan_message(case, weights))
+                    raise Fail(_nan_message(case, weights, fudged=fudged))
                 expected = attention_entropy(weights.double())  # the exact entropy of the weights as given
                 expect_close(got.double(), expected, what=case.name, hint=lambda: _diagnose_entropy(got, weights) or "",
                              **_entropy_tolerance(weights, expected))
@@ -253,7 +258,7 @@ ATTENTION_ENTROPY = Task(
         "missing minus sign": Wrong(_entropy_no_minus, "negative"),
         "mean over the keys instead of sum": Wrong(_entropy_mean_over_keys, "averaged over the keys"),
         "sums over the queries (dim=-2)": Wrong(_entropy_over_queries, "summed over the queries"),
-        "one number for everything (the article's check)": Wrong(_entropy_article_scalar, "one entropy per row"),
+        "one number for everything (the article's check)": Wrong(_entropy_article_scalar, "You returned one number"),
         "sets zero weights to 1 in place": Wrong(_entropy_ones_in_place, "in place", kind="contract"),
         "normalised by log(S)": Wrong(_entropy_normalized, "normalised entropy"),
         "calls attn_course.attention_entropy": Wrong(
@@ -320,7 +325,7 @@ def _diagnose_qk(got, q, k, v, scale) -> str | None:
             (lambda: scaled_dot_product_attention(q, _unit(k), v, scale=scale),
              "you normalised k but not q: both must have unit length, or large queries still saturate the softmax."),
             (lambda: scaled_dot_product_attention(q, k, v, scale=scale),
-             "your q and k are not normalised at all: divide each vector by its length (F.normalize(x, dim=-1))."),
+             "your q and k are not normalised at all: each vector must have unit length before the dot product."),
             (lambda: softmax_over_queries(_unit(q), _unit(k), v, scale=scale),
              "your softmax runs over the queries (dim=-2). Each query's weights over the keys must sum to 1 (dim=-1)."),
         ],
@@ -350,8 +355,8 @@ def _judge_qk(cases, outcomes):
         expect_shape(got, expected.shape, what=case.name)
         if torch.isnan(got).any():
             raise Fail(
-                f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: divide by "
-                "x.norm(dim=-1, keepdim=True).clamp_min(1e-12), or use F.normalize(x, dim=-1), which does that."
+                f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: a zero vector must stay "
+                "zero, so the length you divide by needs a small floor (as F.normalize has)."
             )
         expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("works in float32"):
@@ -575,43 +580,68 @@ def _bad_modules(model: nn.Module, x: torch.Tensor) -> dict[str, list[str]]:
     return found
 
 
-def _diagnose_nonfinite(got: object, case: Case, expected: str | None) -> str:
+def _forward_predictions(case: Case) -> dict[str, object]:
+    """What each classic mistake would return on this case (the keys name the causes _diagnose_nonfinite says)."""
     model, x = case.args
     names = [name for name, _ in model.named_modules()]
     found = _bad_modules(model, x)
-    if got is None:
-        return (
-            f"you found nothing, but module {expected!r} outputs NaN/inf. Check every module's OUTPUT with a forward "
-            "hook (module.register_forward_hook) -- the parameters here are all finite, it is the activations that "
-            "go bad -- and test with torch.isfinite, which catches NaN and inf."
-        )
+    inputs = [name for name in found["input"] if name != ""]
+    return {
+        "last": found["output"][-1] if found["output"] else None,
+        "isnan": found["nan_output"][0] if found["nan_output"] else None,
+        "definition": next((name for name in names if name in found["output"] and name != ""), None),
+        "input": inputs[0] if inputs else None,
+        "nothing": None,
+    }
+
+
+def _diagnose_nonfinite(got: object, case: Case, expected: str | None, others=()) -> str:
+    """Why ``got`` is wrong on this case: the first classic mistake that names it here and fits every other answer.
+
+    ``others`` holds ``(case, answer)`` for the other cases: a cause the learner's other answers rule out
+    is not said (issue 20), since two mistakes can name the same module on one case.
+    """
+    model, x = case.args
+    names = [name for name, _ in model.named_modules()]
+    predicted = _forward_predictions(case)
+
+    def fits(cause: str) -> bool:
+        return predicted[cause] == got and all(_forward_predictions(c)[cause] == a for c, a in others)
+
     if expected is None:
         return f"every output of this model is finite, yet you named {got!r}. Return None when nothing is non-finite."
+    if got is None:
+        story = (" The parameters here are all finite: it is the activations that go bad, so it is each module's "
+                 "OUTPUT that must be checked." if fits("nothing") else "")
+        return f"you found nothing, but module {expected!r} outputs NaN/inf.{story}"
     if got not in names and got != "(model)":
         return f"{got!r} is not a module name: return a name from model.named_modules(), e.g. {expected!r}."
-    if got in ("", "(model)") or expected.startswith(got + "."):
-        who = "the model itself" if got in ("", "(model)") else repr(got)
+    container = got in ("", "(model)") or expected.startswith(got + ".")
+    who = "the model itself" if got in ("", "(model)") else repr(got)
+    if fits("definition"):
         return (
-            f"you named {who}, a container around the culprit {expected!r}. Forward hooks run "
-            "when a module FINISHES, innermost first, so a container reports after its children: the first module "
-            "to report is the one that produced the bad value."
+            f"you named {got!r}, the first bad module in definition order (model.named_modules()"
+            + (", which lists a container before its children" if container else "")
+            + f"), but {expected!r} RAN first and made the bad value. Execution order is the order the hooks fire."
         )
-    if found["nan_output"] and got == found["nan_output"][0] and got != expected:
+    if container and fits("last"):
+        return (
+            f"you named {who}, a container around the culprit {expected!r}. Forward hooks run when a module "
+            "FINISHES, innermost first, so a container reports after its children: the first module to report is "
+            "the one that produced the bad value."
+        )
+    if fits("isnan"):
         return (
             f"you named {got!r}, the first module with a NaN, but {expected!r} ran earlier and produced an inf. "
-            "inf is just as broken (the NaN came from it): test with torch.isfinite(t).all(), not torch.isnan."
+            "inf is just as broken (the NaN came from it): a test for NaN alone misses it."
         )
-    defined_first = next((name for name in names if name in found["output"] and name != ""), None)
-    if got == defined_first:
-        return (
-            f"you named {got!r}, the first bad module in definition order (model.named_modules()), but {expected!r} "
-            "RAN first. Record modules as their hooks fire, which follows execution order."
-        )
-    if found["input"] and got == found["input"][0]:
+    if fits("input"):
         return (
             f"you named {got!r}, whose INPUT was already bad: the culprit is the module before it, {expected!r}. "
-            "Check outputs (forward hooks), not inputs."
+            "It is a module's output that shows whether it made the bad value."
         )
+    if container:
+        return f"you named {who}, a container around the culprit {expected!r}: name the innermost module."
     return f"you named {got!r}; the first module whose output holds NaN/inf is {expected!r}."
 
 
@@ -644,7 +674,10 @@ def _judge_nonfinite(cases, outcomes):
         with checklist.check(title):
             got = answer(index)
             if got != expected[index]:
-                raise Fail(f"{cases[index].name}: {_diagnose_nonfinite(got, cases[index], expected[index])}")
+                others = [(cases[i], outcomes[i].returned) for i in range(len(cases)) if i != index
+                          and outcomes[i].error is None and not outcomes[i].not_implemented
+                          and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
+                raise Fail(f"{cases[index].name}: {_diagnose_nonfinite(got, cases[index], expected[index], others)}")
     return checklist.results
 
 
@@ -713,11 +746,11 @@ FIRST_NONFINITE_MODULE = Task(
     judge=_judge_nonfinite,
     reference=_first_nonfinite_written_out,
     wrong={
-        "returns the last module to report (a container)": Wrong(_nonfinite_last_reported, "container"),
-        "tests isnan only": Wrong(_nonfinite_isnan_only, "torch.isfinite"),
+        "returns the last module to report (a container)": Wrong(_nonfinite_last_reported, "reports after its children"),
+        "tests isnan only": Wrong(_nonfinite_isnan_only, "a test for NaN alone misses it"),
         "reports the first bad input": Wrong(_nonfinite_first_bad_input, "INPUT was already bad"),
-        "definition order instead of execution order": Wrong(_nonfinite_definition_order, "definition order"),
-        "checks the parameters, not the outputs": Wrong(_nonfinite_checks_parameters, "found nothing"),
+        "definition order instead of execution order": Wrong(_nonfinite_definition_order, "the first bad module in definition order"),
+        "checks the parameters, not the outputs": Wrong(_nonfinite_checks_parameters, "it is the activations that go bad"),
         "calls attn_course.find_nonfinite": Wrong(
             _nonfinite_delegates, "you called attn_course.find_nonfinite", kind="algorithm"
         ),
@@ -813,6 +846,25 @@ class _BackwardOutOfOrder(nn.Module):
         return self.head(self.culprit(self.inner(self.outer(x))))
 
 
+class _BackwardOutOfOrderDeep(nn.Module):
+    """Defined ``second``, ``head``, ``culprit``, ``first``, ``entry`` but run ``entry -> first -> second -> culprit -> head``.
+
+    ``culprit`` passes back NaN, and ``second`` then ``first`` pass it on: the last module to report
+    (``first``) is not the first bad one in definition order (``second``), which tells those two bugs apart.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 2)
+        self.culprit = _ClampedNorm()
+        self.first = nn.Linear(8, 8, bias=False)
+        self.entry = nn.Linear(4, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.culprit(self.second(self.first(self.entry(x)))))
+
+
 def _gradient_cases() -> list[Case]:
     with torch.random.fork_rng():  # seeded module initialisation, without touching the caller's RNG
         torch.manual_seed(8)
@@ -835,10 +887,12 @@ def _build_gradient_cases() -> list[Case]:
         Case("a model whose modules run in another order than they are defined, one input row all zeros",
              (_BackwardOutOfOrder(), x)),
         Case("a healthy model (every gradient finite)", (_Net(), x)),
+        Case("a deeper model run in another order than defined: two modules pass the NaN on, one input row all zeros",
+             (_BackwardOutOfOrderDeep(), x)),
     ]
 
 
-_G_PLAIN, _G_NESTED, _G_ACOS, _G_SQRT, _G_ORDER, _G_HEALTHY = range(6)
+_G_PLAIN, _G_NESTED, _G_ACOS, _G_SQRT, _G_ORDER, _G_HEALTHY, _G_ORDER_DEEP = range(7)
 
 
 def _first_nonfinite_gradient_reference(model, x):
@@ -908,6 +962,7 @@ def _cause_predictions(case: Case) -> dict[str, object]:
         "grad_output": found["output"][0] if found["output"] else None,
         "definition": next((name for name in names if name in found["input"]), None),
         "parameters": found["parameters"][0] if found["parameters"] else None,
+        "forward": None,  # the forward pass is finite on every case
     }
 
 
@@ -922,27 +977,26 @@ def _diagnose_gradient(got: object, case: Case, expected: str | None, others=())
     names = [name for name, _ in model.named_modules()]
     found = _backward_reports(model, x)
     if got is None:
-        hint = (
-            f"you found nothing, but module {expected!r} passes back a non-finite gradient. The forward pass is "
-            "finite here: call model(x).sum().backward() and watch what each module passes back, with "
-            "module.register_full_backward_hook(hook): hook(module, grad_input, grad_output) sees the gradient with "
-            "respect to the module's inputs in grad_input."
-        )
-        if found["input"] and not found["nan_input"]:
-            hint += " The gradient here is inf, not NaN: test with torch.isfinite, which catches both."
+        hint = f"you found nothing, but module {expected!r} passes back a non-finite gradient."
+        if not _ruled_out("forward", others):
+            hint += (" The forward pass is finite here: the bad values appear in the backward pass, in what each "
+                     "module passes back (the gradient with respect to its inputs, grad_input of a full backward hook).")
+        elif found["input"] and not found["nan_input"] and not _ruled_out("isnan", others):
+            hint += " The gradient here is inf, not NaN: a test for NaN alone misses it."
         return hint
     if expected is None:
         return f"every gradient of this model is finite, yet you named {got!r}. Return None when nothing is non-finite."
     if got not in names and got != "(model)":
         return f"{got!r} is not a module name: return a name from model.named_modules(), e.g. {expected!r}."
-    if got in ("", "(model)") or expected.startswith(got + "."):
+    container = got in ("", "(model)") or expected.startswith(got + ".")
+    if container and found["input"] and got == found["input"][-1] and not _ruled_out("last", others):
         who = "the model itself" if got in ("", "(model)") else repr(got)
         return (
             f"you named {who}, a container around the culprit {expected!r}. A container's backward hook fires after "
             "its children's (it sees the gradient with respect to the container's input, which is computed last): "
             "the first module to report is the one that made the bad value."
         )
-    # Several mistakes can name the same module: say every one that would.
+    # Several mistakes can name the same module on one case: say the first one the other answers do not rule out.
     causes = []
     if found["input"] and got == found["input"][-1] and not _ruled_out("last", others):
         causes.append(
@@ -952,7 +1006,7 @@ def _diagnose_gradient(got: object, case: Case, expected: str | None, others=())
     if found["nan_input"] and got == found["nan_input"][0] and not _ruled_out("isnan", others):
         causes.append(
             f"{got!r} is the first module to pass back a NaN, but {expected!r} passed back an inf before it, which "
-            "is just as broken (the NaN came from it): test with torch.isfinite, not torch.isnan"
+            "is just as broken (the NaN came from it): a test for NaN alone misses it"
         )
     if found["output"] and got == found["output"][0] and not _ruled_out("grad_output", others):
         causes.append(
@@ -962,18 +1016,18 @@ def _diagnose_gradient(got: object, case: Case, expected: str | None, others=())
     definition_first = next((name for name in names if name in found["input"]), None)
     if got == definition_first and not _ruled_out("definition", others):
         causes.append(
-            "backward runs from the loss towards the input: record modules in the order their hooks fire, not in "
-            "definition order (model.named_modules()), and keep the first"
+            "backward runs from the loss towards the input: the first module is the first whose hook fires, not "
+            "the first in definition order (model.named_modules())"
         )
     if got in found["parameters"] and not _ruled_out("parameters", others):
         causes.append(
             f"{got!r}'s parameters got non-finite gradients, but a NaN spreads to every parameter before the culprit: "
-            "watch the gradients flowing between modules (grad_input of full backward hooks) instead"
+            "it is the gradients flowing between modules that show where the bad value was made"
         )
     lead = f"you named {got!r}; the first module to pass back a NaN/inf gradient is {expected!r}."
     if not causes:
-        return lead
-    return lead + " " + " Or: ".join(cause[0].upper() + cause[1:] + "." for cause in causes)
+        return lead + (" Name the innermost module, not a container." if container else "")
+    return lead + " " + causes[0][0].upper() + causes[0][1:] + "."
 
 
 def _judge_gradient(cases, outcomes):
@@ -1000,7 +1054,7 @@ def _judge_gradient(cases, outcomes):
         ("nested model: the innermost module, not a container", (_G_NESTED,)),
         ("an inf gradient counts, not only a NaN: acos of a clamped cosine", (_G_ACOS,)),
         ("an inf gradient counts, not only a NaN: a square root after a ReLU", (_G_SQRT,)),
-        ("backward order, not definition order", (_G_ORDER,)),
+        ("backward order, not definition order", (_G_ORDER, _G_ORDER_DEEP)),
         ("a healthy model gives None", (_G_HEALTHY,)),
     ):
         with checklist.check(title):
@@ -1076,11 +1130,11 @@ FIRST_NONFINITE_GRADIENT = Task(
     judge=_judge_gradient,
     reference=_first_nonfinite_gradient_written_out,
     wrong={
-        "watches the forward pass only": Wrong(_gradient_forward_only, "found nothing"),
+        "watches the forward pass only": Wrong(_gradient_forward_only, "The forward pass is finite here"),
         "returns the last module to report": Wrong(_gradient_last_reported, "LAST module"),
-        "tests isnan only": Wrong(_gradient_isnan_only, "torch.isfinite"),
+        "tests isnan only": Wrong(_gradient_isnan_only, "a test for NaN alone misses it"),
         "checks grad_output instead of grad_input": Wrong(_gradient_checks_grad_output, "ARRIVING"),
-        "definition order instead of backward order": Wrong(_gradient_definition_order, "definition order"),
+        "definition order instead of backward order": Wrong(_gradient_definition_order, "not the first in definition order"),
         "checks the parameters' gradients": Wrong(_gradient_checks_parameters, "parameters got non-finite gradients"),
         "calls attn_course.find_nonfinite": Wrong(
             _gradient_delegates, "you called attn_course.find_nonfinite", kind="algorithm"

@@ -22,15 +22,16 @@ from ...vit import patchify, sincos_positions_2d
 from .. import probes
 from ..core import Case, Fail, Task, Wrong
 from ..judging import Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned
+from ._common import answered, first_match, returned, same
+from ._variants import consistent_match
 
 __all__ = ["PATCHIFY", "CLASS_TOKEN_AND_POSITIONS", "VIT_ATTENTION", "SINCOS_POSITIONS_2D"]
 
 _RESHAPE_HINTS = (
     ("is invalid for input of size", "the sizes in your reshape do not multiply to the tensor's size: N = (H/p)(W/p) "
      "patches of C*p*p values each, computed from the input's shape and patch_size (never fixed numbers)."),
-    ("view size is not compatible", "after a permute the memory is no longer contiguous, so .view() refuses: use "
-     ".reshape() (copies when needed)."),
+    ("view size is not compatible", "after a permute the memory is no longer contiguous, so .view() refuses: a "
+     "view needs contiguous memory (reshape copies when it must)."),
 )
 
 
@@ -117,17 +118,16 @@ def _diagnose_patchify(got: torch.Tensor, images: torch.Tensor, p: int) -> str:
         [
             (lambda: _patches_straight(images, p),
              "you reshaped (B, C, H, W) straight to (B, N, C*p*p). reshape keeps memory order, so a 'patch' is a run "
-             "of consecutive pixels along the rows, not a p x p square. Reshape to (B, C, H/p, p, W/p, p), permute "
-             "to (B, H/p, W/p, C, p, p), then flatten."),
+             "of consecutive pixels along the rows, not a p x p square: a patch takes p pixels from each of p "
+             "different image rows."),
             (lambda: _patches_unfold_no_permute(images, p),
              "your patches are cut right (unfold) but the channel axis is still in front of the patch grid, so "
-             "flattening mixes channels and patches: permute to (B, H/p, W/p, C, p, p) before the reshape."),
+             "flattening mixes channels and patches: the patch grid must come before the channels when you flatten."),
             (lambda: _patches_channels_last(images, p),
              "your features are ordered (row, column, channel); order them (channel, row, column), like a Conv2d "
              "weight (E, C, p, p) flattened, so that patchify + Linear equals the strided conv."),
             (lambda: _patches_column_major(images, p),
-             "your patches go column by column. Number them row by row: patch n = r * (W/p) + c (grid rows before "
-             "grid columns in the permute)."),
+             "your patches go column by column; they are numbered along each grid row first: patch n = r * (W/p) + c."),
             (lambda: _patches_transposed_pixels(images, p),
              "inside each patch your pixels are transposed (column before row): keep the order (channel, row in the "
              "patch, column in the patch)."),
@@ -157,6 +157,10 @@ def _judge_patchify(cases, outcomes):
             B, C, H, W = images.shape
             expect_shape(got, (B, (H // p) * (W // p), C * p * p), what=case.name,
                          hint="One token per p x p square, holding its C*p*p values.")
+    values_right = all(
+        outcomes[i].error is None and isinstance(outcomes[i].returned, torch.Tensor)
+        and same(outcomes[i].returned, patchify(*cases[i].args)) for i in range(good)
+    )
     for title, indices in (("one channel: each token is one p x p square, row by row", (0, 1)),
                            ("several channels: features ordered (channel, row, column)", (2, 3))):
         with checklist.check(title):
@@ -168,6 +172,12 @@ def _judge_patchify(cases, outcomes):
                 expect_shape(got, expected.shape, what=case.name)
                 if not torch.equal(got.double(), expected):
                     raise Fail(f"{case.name}: {_diagnose_patchify(got, images, p)}")
+    def cropped(case, outcome) -> bool:
+        images, p = case.args
+        H, W = images.shape[-2:]
+        return outcome.error is None and same(outcome.returned, patchify(images[..., : H // p * p, : W // p * p], p))
+
+    crops = all(cropped(c, o) for c, o in zip(cases[good:], outcomes[good:]))  # the cropping story fits every case
     with checklist.check("raises ValueError when patch_size does not divide the height and the width"):
         for case, outcome in zip(cases[good:], outcomes[good:]):
             images, p = case.args
@@ -175,11 +185,14 @@ def _judge_patchify(cases, outcomes):
                 returned(outcome, what=case.name)
             if outcome.error is None:
                 raise Fail(f"{case.name} returned a result; it should raise ValueError: {p} does not divide "
-                           f"{tuple(images.shape[-2:])}, so some pixels belong to no patch. Cropping them silently "
-                           "changes the image the model sees; check H % p and W % p and raise, naming both.")
+                           f"{tuple(images.shape[-2:])}, so some pixels belong to no patch."
+                           + (" You cropped them: cropping them silently changes the image the model sees."
+                              if crops else ""))
             if not outcome.error.startswith("ValueError"):
-                raise Fail(f"{case.name} raised {outcome.error[:200]}; check H % p and W % p first and raise a "
-                           "ValueError that names the patch size and the image size.")
+                story = ("your patches are right, but an image that p does not divide must be refused before any "
+                         "reshape fails" if values_right else "an image that p does not divide must be refused")
+                raise Fail(f"{case.name} raised {outcome.error[:200]}; {story}, with a ValueError that names the "
+                           "patch size and the image size.")
     return checklist.results
 
 
@@ -215,11 +228,11 @@ PATCHIFY = Task(
     wrong={
         "reshape straight to (B, N, C*p*p)": Wrong(_patches_straight, "straight to (B, N, C*p*p)"),
         "unfold without moving the channels": Wrong(_patches_unfold_no_permute, "channel axis is still in front"),
-        "features ordered (row, column, channel)": Wrong(_patches_channels_last, "(channel, row, column)"),
-        "patches numbered column by column": Wrong(_patches_column_major, "row by row"),
-        "pixels transposed inside each patch": Wrong(_patches_transposed_pixels, "transposed"),
-        "crops the pixels p does not cover": Wrong(_patches_cropped, "Cropping them silently"),
-        "reshape's RuntimeError instead of a ValueError": Wrong(_patches_reshape_error, "raise a ValueError"),
+        "features ordered (row, column, channel)": Wrong(_patches_channels_last, "features are ordered (row, column, channel)"),
+        "patches numbered column by column": Wrong(_patches_column_major, "patches go column by column"),
+        "pixels transposed inside each patch": Wrong(_patches_transposed_pixels, "pixels are transposed"),
+        "crops the pixels p does not cover": Wrong(_patches_cropped, "You cropped them"),
+        "reshape's RuntimeError instead of a ValueError": Wrong(_patches_reshape_error, "your patches are right"),
         "calls F.unfold (PyTorch's patch extraction)": Wrong(
             _patches_with_f_unfold, "you called torch.nn.functional.unfold", kind="algorithm"),
         "calls attn_course's patchify": Wrong(_patches_with_the_library, "you called attn_course.patchify",
@@ -436,14 +449,14 @@ def _diagnose_vit(got, args) -> str | None:
         [
             (variant(layout="article"),
              "this is the article's bug: q, k, v are (B, N, H, D), so q @ k^T compares the heads of one token with "
-             "each other ((B, N, H, H) weights) and patches never exchange information. Permute (B, N, 3, H, D) to "
-             "(3, B, H, N, D) before multiplying."),
+             "each other ((B, N, H, H) weights) and patches never exchange information: the heads axis must come before "
+             "the patch axis when the scores are formed."),
             (variant(layout="heads_then_qkv"),
-             "you cut the qkv output as (B, N, H, 3, D). nn.Linear(E, 3E) stacks [q; k; v] (all of q first), so "
-             "reshape to (B, N, 3, H, D), then permute to (3, B, H, N, D)."),
+             "you cut the qkv output as (B, N, H, 3, D). nn.Linear(E, 3E) stacks [q; k; v] (all of q first), so its "
+             "E outputs for q come first, then k's, then v's."),
             (variant(merge="straight"),
-             "you merged the heads by reshaping (B, H, N, D) straight to (B, N, E), which mixes tokens: "
-             ".transpose(1, 2) back to (B, N, H, D) first."),
+             "you merged the heads by reshaping (B, H, N, D) straight to (B, N, E), which mixes tokens: the heads axis "
+             "must move back behind the patch axis before the heads are joined."),
             (variant(scale=E**-0.5),
              f"you scaled by 1/sqrt(E) = 1/sqrt({E}); each head's scores have head_dim = {E // H} terms: scale by "
              f"1/sqrt(head_dim)."),
@@ -592,13 +605,12 @@ def _sincos_with_the_library(h, w, d):
     return sincos_positions_2d(h, w, d, dtype=torch.float64)
 
 
-def _diagnose_sincos(got, args) -> str | None:
+def _sincos_variants(*args):
+    """The classic mistakes of the 2-D sin-cos table on one case, as ``(make, message)``."""
     def variant(**changes):
         return lambda: _sincos_variant(*args, **changes)
 
-    return first_match(
-        got,
-        [
+    return [
             (variant(order="rows_first"),
              "your first half encodes the row and the second the column: the first dim/2 features are the column's "
              "table (x), the second half the row's (y), as in MAE."),
@@ -620,10 +632,12 @@ def _diagnose_sincos(got, args) -> str | None:
             (lambda: sinusoidal_encoding(torch.arange(args[0] * args[1], dtype=torch.float64), args[2]),
              "you encoded the patch index n as a 1-D position: the grid's rows and columns each get half the "
              "features, from the patch's row r and column c."),
-        ],
-        atol=1e-5,
-        rtol=1e-5,
-    )
+    ]
+
+
+def _diagnose_sincos(got, args) -> str | None:
+    """The mistake that explains ``got`` on this one case (the judge also checks it against the other cases)."""
+    return first_match(got, _sincos_variants(*args), atol=1e-5, rtol=1e-5)
 
 
 def _judge_sincos(cases, outcomes):
@@ -644,7 +658,9 @@ def _judge_sincos(cases, outcomes):
                 expected = _sincos_reference(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
                 expect_close(got, expected, what=case.name, atol=1e-5, rtol=1e-5,
-                             hint=lambda: _diagnose_sincos(got, case.args) or "")
+                             hint=lambda: consistent_match(index, cases, outcomes, expected=_sincos_reference,
+                                                           variants=_sincos_variants,
+                                                           tolerance=lambda *args: (1e-5, 1e-5)) or "")
     with checklist.check("a dim that is not a multiple of 4 raises ValueError"):
         for index in _BAD:
             case, outcome = cases[index], outcomes[index]

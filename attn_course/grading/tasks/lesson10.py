@@ -137,11 +137,11 @@ def _diagnose_shift(got, scores) -> str:
              "you kept the last L columns of every row (offsets 0 down to -(L-1)) for every query: the shift must "
              "depend on the row, out[i, j] = scores[i, L - 1 - i + j]."),
             (lambda: _shift_pad_right(scores),
-             "the zero column goes in front (F.pad(scores, (1, 0))), not at the end: with it at the end the rows "
-             "slide the wrong way after the reshape."),
+             "the zero column goes in front, not at the end: with it at the end the rows slide the wrong way after the "
+             "reshape."),
             (lambda: _shift_wrong_rows_kept(scores),
-             "off by one row: after padding and viewing the scores as (2L, L), drop the FIRST row "
-             "(padded[..., 1:, :]), not the last; then view as (L, 2L - 1) and keep the first L columns."),
+             "off by one row: after padding and viewing the scores as (2L, L), it is the FIRST row that goes, not the "
+             "last."),
         ],
         atol=0,
         rtol=0,
@@ -159,7 +159,7 @@ def _judge_rel_shift(cases, outcomes):
             L = scores.shape[-2]
             expect_shape(got, (*scores.shape[:-1], L), what=case.name, hint="One score per (query, key) pair.")
             expect_dtype(got, scores.dtype, what=case.name,
-                         hint="Build the result from `scores` (or pass dtype=scores.dtype to torch.zeros).")
+                         hint="The result keeps the scores' dtype: a new tensor made without it is float32.")
     for title, indices in (("out[i, j] holds the score of offset i - j", (0, 1)),
                            ("any batch shape, long rows, and L = 1", (2, 3, 4, 5))):
         with checklist.check(title):
@@ -205,7 +205,7 @@ REL_SHIFT = Task(
         "(2L, L) view: last row dropped instead of the first": Wrong(_shift_wrong_rows_kept, "Off by one row"),
         "one-hot (L, L, 2L-1) selection tensor": Wrong(_shift_selection_tensor, "grows like L^3", kind="algorithm"),
         "calls attn_course's rel_shift": Wrong(_shift_calls_the_library, "you called", kind="algorithm"),
-        "float32 output for float64 scores": Wrong(_shift_float32_loop, "dtype", kind="contract"),
+        "float32 output for float64 scores": Wrong(_shift_float32_loop, "has dtype torch.float32, expected torch.float64", kind="contract"),
     },
     measure=("largest",),
     forbidden=_REL_SHIFT_FORBIDDEN,
@@ -346,13 +346,13 @@ def _diagnose_conv(got, x, keep, w) -> str | None:
         [
             (variant(zero_padding=False),
              "padding leaks into real frames: the depthwise convolution near the end of a clip reads the padded "
-             "frames. Zero them (masked_fill with ~keep) right before the depthwise convolution."),
+             "frames, which must be zero when it reads them."),
             (variant(zero_padding="input"),
              "you zeroed the padded frames of x, at the input: LayerNorm, the pointwise convolution and the GLU "
              "turn a zero frame into a non-zero one (their biases), which the depthwise convolution then reads "
              "next to the real frames. Zero the padded frames right before the depthwise convolution instead."),
             (variant(glu="swapped"),
-             "your GLU gates the wrong half: GLU(a, b) = a * sigmoid(b) with a the FIRST E channels (F.glu(y, dim=1))."),
+             "your GLU gates the wrong half: GLU(a, b) = a * sigmoid(b) with a the FIRST E channels and b, the gate, the second."),
             (variant(activation=F.relu),
              "you used ReLU; the Conformer uses Swish (SiLU): x * sigmoid(x), F.silu."),
             (variant(norm=False), "you skipped the module's LayerNorm: every Conformer module starts with one."),
@@ -415,10 +415,10 @@ CONV_MODULE = Task(
         "padding zeroed at the input, as WeNet does (GLU biases leak)": Wrong(
             _conv_zeroed_at_the_input, "zeroed the padded frames of x"),
         "GLU gates the wrong half": Wrong(_conv_glu_swapped, "wrong half"),
-        "ReLU instead of Swish": Wrong(_conv_relu, "Swish"),
-        "no LayerNorm": Wrong(_conv_no_layernorm, "LayerNorm"),
+        "ReLU instead of Swish": Wrong(_conv_relu, "used ReLU; the Conformer uses Swish"),
+        "no LayerNorm": Wrong(_conv_no_layernorm, "skipped the module's LayerNorm"),
         "Swish before BatchNorm": Wrong(_conv_swish_before_bn, "depthwise conv -> BatchNorm -> Swish"),
-        "padded input frames zeroed in place": Wrong(_conv_padding_zeroed_in_place, "in place", kind="contract"),
+        "padded input frames zeroed in place": Wrong(_conv_padding_zeroed_in_place, "changed its input argument 0 in place", kind="contract"),
         "eps added to the running variance in place": Wrong(_conv_eps_added_in_place, "changed weights", kind="contract"),
         "calls attn_course's ConvolutionModule": Wrong(_conv_calls_the_library, "you called", kind="algorithm"),
     },

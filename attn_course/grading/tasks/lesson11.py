@@ -242,7 +242,8 @@ def _attend(q, k, v, mask):
     return scaled_dot_product_attention(q.double(), k.double(), v.double(), mask)
 
 
-def _diagnose_decode(got, q, k, v, lengths) -> str | None:
+def _diagnose_decode(got, q, k, v, lengths, *, overflows: bool = False) -> str | None:
+    """``overflows``: another case raised float16's overflow, so the fill is -1e9-like, not finfo.min."""
     T, S = q.shape[-2], k.shape[-2]
     slots = torch.arange(S)
     real = (slots[None, :] >= (S - lengths)[:, None])[:, None, None, :]  # (B, 1, 1, S)
@@ -253,9 +254,7 @@ def _diagnose_decode(got, q, k, v, lengths) -> str | None:
     if got.isnan().any():
         return (
             "Your result has NaN: a query that is itself padding (the whole prompt of a left-padded sequence) has "
-            "no slot to attend to, and softmax over a row of -inf is 0 / 0. Such rows must come out as zeros: "
-            "give empty rows zero weights (ac.stable_softmax, or torch.where on the row), or use an attention "
-            "function that does (ac.scaled_dot_product_attention, F.scaled_dot_product_attention)."
+            "no slot to attend to, and softmax over a row of -inf is 0 / 0. Such rows must come out as zeros."
         )
     return first_match(
         got,
@@ -278,9 +277,12 @@ def _diagnose_decode(got, q, k, v, lengths) -> str | None:
             (lambda: _attend(q, k, v, (slots[None, :] <= torch.arange(S - T, S)[:, None] - 1) & real),
              "no new query sees its own slot: the diagonal belongs in a causal mask (query i sees slot S - T + i)."),
             (lambda: softmax_with_fill(q, k, v, bottom_right & real),
-             "the rows of padding queries should be zeros, not uniform weights: filling blocked scores with a large "
-             "negative number (-1e9, torch.finfo(dtype).min) turns a row with nothing to attend to into an average "
-             "of every slot. Fill with -inf and give empty rows zero weights."),
+             "the rows of padding queries should be zeros: a large negative fill (like -1e9) turns a row with nothing "
+             "to attend to into an average of every slot. A blocked score needs a value whose exp is exactly 0."
+             if overflows else
+             "the rows of padding queries should be zeros, not uniform weights: even a fill that fits the dtype, like "
+             "torch.finfo(dtype).min, turns a row with nothing to attend to into an average of every slot. A blocked "
+             "score needs a value whose exp is exactly 0, and an empty row zero weights."),
         ],
         atol=1e-6,
         rtol=1e-5,
@@ -301,6 +303,7 @@ def _judge_decode(cases, outcomes):
             q, k, v, _ = case.args
             expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
             expect_dtype(got, q.dtype, what=case.name)
+    overflows = any("without overflow" in (o.error or "") for o in outcomes)
     for title, indices in (
         ("one new token: every real slot, no padding slot", (_DEC_ONE, _DEC_HALF_ONE)),
         ("several new tokens: bottom-right causal mask and the padding mask", (_DEC_THREE, _DEC_FLOAT32)),
@@ -313,13 +316,13 @@ def _judge_decode(cases, outcomes):
                 if outcome.error is not None and "without overflow" in outcome.error:
                     raise Fail(
                         f"{case.name}: your function raised {outcome.error}. A fill value such as -1e9 does not fit "
-                        "in float16 (its largest magnitude is 65504): fill blocked scores with float('-inf'), which "
-                        "float16, bfloat16, float32 and float64 hold exactly, and give rows with nothing to attend to zero weights."
+                        "in float16 (its largest magnitude is 65504): a blocked score needs a value every dtype holds "
+                        "(-inf is one: float16, bfloat16, float32 and float64 hold it exactly)."
                     )
                 got = returned(outcome, what=case.name)
                 expected = _decode_expected(*case.args)
                 expect_shape(got, expected.shape, what=case.name)
-                hint = lambda: _diagnose_decode(got, *case.args) or ""  # computed only for a wrong answer
+                hint = lambda: _diagnose_decode(got, *case.args, overflows=overflows) or ""  # only for a wrong answer
                 expect_close(got.double(), expected, what=case.name, hint=hint, **_decode_tolerance(q, expected))
     with checklist.check("leaves q, k, v and lengths unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -406,7 +409,7 @@ DECODE_ATTENTION = Task(
         "diagonal excluded": Wrong(_decode_strict, "own slot"),
         "softmax over a row of -inf (NaN for padding queries)": Wrong(_decode_nan_rows, "no slot to attend to"),
         "fills with -1e9": Wrong(_decode_fill_minus_1e9, "does not fit in float16"),
-        "fills with finfo.min (uniform rows for padding queries)": Wrong(_decode_fill_finfo_min, "uniform weights"),
+        "fills with finfo.min (uniform rows for padding queries)": Wrong(_decode_fill_finfo_min, "even a fill that fits the dtype"),
         "torch's causal_lower_right": Wrong(_decode_lower_right, "you called torch.nn.attention.bias.causal_lower_right",
                                             kind="algorithm"),
     },

@@ -91,11 +91,17 @@ def _judge_zigzag(cases, outcomes):
             every = torch.sort(torch.cat(ranks)).values
             if not torch.equal(every, torch.arange(L)):
                 missing = sorted(set(range(L)) - set(every.tolist()))
+                W = case.args[1]
+                chunk = torch.arange(L).view(2 * W, L // (2 * W))  # (2W, c): row i is chunk i
+                too_far = [torch.cat([chunk[r], chunk[(2 * W - r) % (2 * W)]]) for r in range(W)]  # chunk 2W wraps to 0
+                story = ""
+                if all(torch.equal(got, want) for got, want in zip(ranks, too_far)):
+                    story = (" Your late chunk is chunk 2W - r, one too far: rank r's late chunk is the one that "
+                             "mirrors its early chunk, chunk 2W - 1 - r.")
                 raise Fail(
                     f"{case.name}: the ranks together should hold 0..{L - 1} once each; "
                     + (f"position {missing[0]} is on no rank" if missing else "some position is on two ranks")
-                    + ". The late chunk of rank r is chunk 2W - 1 - r: tokens (2W - 1 - r) c .. (2W - r) c - 1 "
-                    "with c = L / 2W."
+                    + "." + story
                 )
     with checklist.check("causal work is the same on every rank"):
         for case, ranks in answered():
@@ -105,10 +111,16 @@ def _judge_zigzag(cases, outcomes):
                 hint = ""
                 if torch.equal(torch.cat(ranks), torch.arange(case.args[0])):
                     hint = " This is the contiguous split: the last rank's queries see the whole sequence, the first's only their own block."
+                L, W = case.args
+                c = L // (2 * W)
+                plus_w = [torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((r + W) * c, (r + W + 1) * c)])
+                          for r in range(W)]
+                if all(torch.equal(got, want) for got, want in zip(ranks, plus_w)):
+                    hint = (" You paired chunk r with chunk r + W: the late chunks rise with r as the early ones do, "
+                            "so the imbalance stays. A rank's late chunk must fall as its early chunk rises.")
                 raise Fail(
                     f"{case.name}: with a causal mask rank {high} would compute {load[high]} query-key pairs and rank "
-                    f"{low} only {load[low]}: the ring waits for the slowest rank at every step.{hint} Pair an early "
-                    "chunk with the matching late one: chunk r with chunk 2W - 1 - r."
+                    f"{low} only {load[low]}: the ring waits for the slowest rank at every step.{hint}"
                 )
     with checklist.check("rank r holds chunk r, then chunk 2W - 1 - r"):
         for case, ranks in answered():
@@ -122,16 +134,22 @@ def _judge_zigzag(cases, outcomes):
                     elif torch.equal(torch.sort(got).values, torch.sort(want).values):
                         hint = " Keep each chunk in increasing order: early chunk first, then late chunk."
                     raise Fail(f"{case.name}: rank {rank} holds {got.tolist()}, expected {want.tolist()}.{hint}")
+    partial_check = any(o.error is not None and o.error.startswith("ValueError") for _, o in bad)
     with checklist.check("raises ValueError when 2 * world_size does not divide seq_len"):
         for case, outcome in bad:
             L, W = case.args
             if outcome.not_implemented:
                 returned(outcome, what=case.name)
             if outcome.error is None:
+                if partial_check and L % W == 0:
+                    raise Fail(
+                        f"{case.name} returned: you refuse a length that world_size does not divide, but {L} tokens, "
+                        f"though a multiple of {W}, cannot be cut into 2 * world_size = {2 * W} equal chunks. The "
+                        "ValueError must come whenever the 2W chunks do not fit."
+                    )
                 raise Fail(
                     f"{case.name} returned instead of raising: {L} tokens cannot be cut into 2 * world_size = {2 * W} "
-                    "equal chunks. Check seq_len % (2 * world_size) (not only % world_size) and raise a ValueError that "
-                    "says so, instead of silently dropping tokens."
+                    "equal chunks, and silently dropping tokens is no answer: raise a ValueError that says so."
                 )
             if not outcome.error.startswith("ValueError"):
                 raise Fail(f"{case.name} should raise ValueError, but raised {outcome.error}")
@@ -232,12 +250,12 @@ ZIGZAG_POSITIONS = Task(
     reference=_zigzag_reference,
     wrong={
         "contiguous split": Wrong(_zigzag_contiguous, "contiguous split"),
-        "pairs chunk r with chunk r + W": Wrong(_zigzag_strided_pair, "chunk r with chunk 2W - 1 - r"),
+        "pairs chunk r with chunk r + W": Wrong(_zigzag_strided_pair, "paired chunk r with chunk r + W"),
         "late chunk first": Wrong(_zigzag_late_first, "put the early chunk first"),
-        "late chunk off by one (2W - r)": Wrong(_zigzag_off_by_one, "chunk 2W - 1 - r: tokens"),
+        "late chunk off by one (2W - r)": Wrong(_zigzag_off_by_one, "one too far"),
         "chunk numbers instead of token positions": Wrong(_zigzag_chunk_numbers, "not the chunk numbers"),
         "no error when 2W does not divide L": Wrong(_zigzag_never_raises, "returned instead of raising"),
-        "checks only L % W": Wrong(_zigzag_checks_world_size_only, "seq_len % (2 * world_size)"),
+        "checks only L % W": Wrong(_zigzag_checks_world_size_only, "though a multiple of"),
         "late chunk at chunks - 1 + r (IndexError for W >= 2)": Wrong(_zigzag_late_index_overflows, "raised IndexError"),
         "calls attn_course.sequence_positions": Wrong(
             _zigzag_delegates, "you called attn_course.sequence_positions", kind="algorithm"
@@ -414,11 +432,11 @@ def _form_advice(outcome, case: Case) -> str:
     advice = (f"a ring step holds one block of scores at a time, so nothing it builds needs to be larger than this "
               f"block's (B, H, Lq, Lk) = ({B}, {H}, {Lq}, {k.shape[-2]}) scores, or than its inputs.")
     if dims == 2:
-        advice += (" Build the causal mask from the two position vectors, k_positions[None, :] <= q_positions[:, None], "
-                   "(Lq, Lk): an (L, L) mask of the whole sequence is what splitting the sequence is meant to avoid.")
+        advice += (" The causal mask of a block depends only on the block's two position vectors, (Lq, Lk): an "
+                   "(L, L) mask of the whole sequence is what splitting the sequence is meant to avoid.")
     elif dims >= 5:
-        advice += (" Compute the scores with one matrix product, q @ k.transpose(-2, -1): a broadcast product over "
-                   "(Lq, Lk, D) holds D numbers for every score before the sum.")
+        advice += (" A broadcast product over (Lq, Lk, D) holds D numbers for every score before the sum; a matrix "
+                   "product holds only the scores.")
     return advice
 
 
@@ -617,7 +635,7 @@ RING_STEP = Task(
             _wrong(whole_mask=True), "an (L, L) mask of the whole sequence", kind="algorithm"
         ),
         "scores as a broadcast (Lq, Lk, D) product": Wrong(
-            _wrong(broadcast=True), "a broadcast product", kind="algorithm"
+            _wrong(broadcast=True), "A broadcast product over (Lq, Lk, D)", kind="algorithm"
         ),
         "calls attn_course.ring_step": Wrong(_ring_step_delegates, "you called attn_course.ring_step", kind="algorithm"),
     },
@@ -685,8 +703,8 @@ def _backward_cases() -> list[Case]:
 
 
 _BW_PLAIN, _BW_CAUSAL, _BW_PADDED, _BW_RECT, _BW_EMPTY = range(5)
-_SHAPE_HINTS = [(needle, "two shapes do not fit in a matmul (the block has fewer queries than keys here): dv = P^T @ "
-                 "grad_out (transpose the weights), dk = dS^T @ q, dq_part = dS @ k.")
+_SHAPE_HINTS = [(needle, "two shapes do not fit in a matmul (the block has fewer queries than keys here): each "
+                 "gradient has the shape of what it is the gradient of, dq_part like q, dk like k, dv like v.")
                 for needle in ("size", "cannot be multiplied")]
 
 
@@ -715,10 +733,10 @@ def _diagnose_backward(label: str, got: torch.Tensor, case: Case) -> str | None:
          "you recomputed the softmax over this block only. The weights are exp(scores - lse) with the *final* lse "
          "of each query over every key of the sequence: use the lse you are given."),
         (lambda: variant(out=torch.zeros_like(out)),
-         "delta is missing: dS = P * (dP - delta) with delta = (grad_out * out).sum(-1, keepdim=True), the "
+         "delta is missing: dS = P * (dP - delta) with delta = rowsum(grad_out * out), the "
          "softmax's correction for every weight of the row."),
         (lambda: variant(out=torch.ones_like(out)),
-         "delta is (grad_out * out).sum(-1, keepdim=True): the product with the output, not grad_out alone."),
+         "delta is rowsum(grad_out * out): the product with the output, not grad_out alone."),
         (lambda: expected[index] / scale,
          "missing a 1/sqrt(D): the scores were q @ k^T * scale, so dS carries the scale into dq and dk once."),
         (lambda: expected[index] * scale,
@@ -727,6 +745,10 @@ def _diagnose_backward(label: str, got: torch.Tensor, case: Case) -> str | None:
          "the causal mask is missing in the backward pass: recompute the scores with the same mask as forward."),
         (_when(keep is not None, lambda: variant(key_padding_mask=None)),
          "the padding mask is missing in the backward pass: padded keys get zero weight, and zero gradient."),
+        (_when(label == "dv", lambda: _backward_by_hand(
+            q, k, v, grad_out, out, lse, kwargs["q_positions"], kwargs["k_positions"], keep, kwargs["is_causal"],
+            transpose_dv=True)[2]),
+         "your dv is P @ grad_out, the weights untransposed: dv = P^T @ grad_out, a sum over the queries for each key."),
     ])
 
 
@@ -741,7 +763,7 @@ def _judge_backward(cases, outcomes):
             expected_of[index] = _expected_backward(case)
         expected = expected_of[index]
         hints = ("dq_part has q's shape (B, H, Lq, D).", "dk has k's shape (B, H, Lk, D): dS^T @ q.",
-                 "dv has v's shape (B, H, Lk, Dv): P^T @ grad_out (transpose the weights).")
+                 "dv has v's shape (B, H, Lk, Dv): one row per key.")
         for value, want, label, hint in zip(got, expected, ("dq_part", "dk", "dv"), hints):
             expect_shape(value, want.shape, what=f"{case.name}: {label}", hint=hint)
             expect_dtype(value, want.dtype, what=f"{case.name}: {label}")
@@ -855,14 +877,14 @@ RING_STEP_BACKWARD = Task(
     judge=_judge_backward,
     reference=_backward_reference,
     wrong={
-        "softmax over this block only": Wrong(_backward_wrong(block_lse=True), "final lse"),
+        "softmax over this block only": Wrong(_backward_wrong(block_lse=True), "recomputed the softmax over this block only"),
         "no delta": Wrong(_backward_wrong(delta="none"), "is missing: dS = P * (dP - delta)"),
         "delta from grad_out alone": Wrong(_backward_wrong(delta="grad_only"), "not grad_out alone"),
         "no scale in dS": Wrong(_backward_wrong(scale_times=0), "a 1/sqrt(D): the scores were"),
         "scale applied twice": Wrong(_backward_wrong(scale_times=2), "applied twice"),
         "causal mask forgotten in backward": Wrong(_backward_wrong(causal=False), "causal mask is missing"),
         "padding mask forgotten in backward": Wrong(_backward_wrong(padding=False), "padding mask is missing"),
-        "dv without the transpose": Wrong(_backward_wrong(transpose_dv=True), "transpose the weights"),
+        "dv without the transpose": Wrong(_backward_wrong(transpose_dv=True), "the weights untransposed"),
         "NaN for rows with no allowed key": Wrong(_backward_wrong(guard=False), "lse = 0 there"),
         "calls attn_course.ring_step_backward": Wrong(
             _backward_delegates, "you called attn_course.ring_step_backward", kind="algorithm"
