@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ._checks import check_int, check_key_mask, check_positive_int, check_qkv, shape_str
 from .attention import scaled_dot_product_attention
-from .chunked import PartialAttention, finish_partial, merge_partials, partial_attention
+from .chunked import PartialAttention, finish_partial, merge_partials
 
 __all__ = ["PATTERNS", "pattern_mask", "sparse_attention", "SparseAttention"]
 
@@ -96,11 +96,19 @@ def pattern_mask(
 
 
 def _attend(q, k, v, allowed, *, scale) -> PartialAttention:
-    """Scores of q ``(..., n, D)`` against k ``(..., m, D)``, masked by ``allowed`` ``(..., n, m)`` (or None)."""
+    """Scores of q ``(..., n, D)`` against k ``(..., m, D)``, masked by ``allowed`` ``(..., n, m)`` (or None).
+
+    :func:`attn_course.chunked.partial_attention`, done in place on the scores this function has just made (they are
+    nobody else's): masking, shifting and exponentiating them allocate nothing of their size.
+    """
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., n, m), q scaled first: cheaper than the scores
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))  # (..., n, m)
-    return partial_attention(scores, v)
+        scores.masked_fill_(~allowed, float("-inf"))  # (..., n, m)
+    row_max = scores.detach().amax(dim=-1, keepdim=True)  # (..., n, 1)
+    # A row with no allowed key has max -inf; shift it by 0 instead, so exp(-inf) = 0.
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # (..., n, 1)
+    exps = scores.sub_(shift).exp_()  # (..., n, m), every exponent <= 0: no overflow
+    return PartialAttention(acc=torch.matmul(exps, v), row_max=row_max, row_sum=exps.sum(dim=-1, keepdim=True))
 
 
 def _local_part(q, k, v, key_ok, *, pattern, block, size, is_causal, scale) -> PartialAttention:
