@@ -110,7 +110,6 @@ def _execute(path: Path, *, timeout: int) -> tuple[nbformat.NotebookNode, float]
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
         record_timing=False,
-        coalesce_streams=True,  # one stdout output per cell, however the kernel's prints were batched
         allow_error_names=["NotImplementedError"] if path.parent.name == "exercises" else [],
     )
     start = time.perf_counter()
@@ -123,7 +122,31 @@ def _execute(path: Path, *, timeout: int) -> tuple[nbformat.NotebookNode, float]
             del os.environ[STRICT_ENV]
         else:
             os.environ[STRICT_ENV] = saved
+    merge_adjacent_streams(nb)
     return nb, time.perf_counter() - start
+
+
+def merge_adjacent_streams(nb: nbformat.NotebookNode) -> int:
+    """Join each run of consecutive stdout (or stderr) outputs of a cell into one; return how many were joined.
+
+    How a kernel's prints are split into messages depends on timing (under load one print per
+    message), so the stored file would change from run to run. Outputs of other kinds between two
+    prints (a figure, a progress bar) stay where they were.
+    """
+    joined = 0
+    for cell in nb.cells:
+        merged = []
+        for output in cell.get("outputs", []):
+            previous = merged[-1] if merged else None
+            if (output.output_type == "stream" and previous is not None and previous.output_type == "stream"
+                    and previous.name == output.name):
+                previous.text += output.text
+                joined += 1
+            else:
+                merged.append(output)
+        if "outputs" in cell:
+            cell.outputs = merged
+    return joined
 
 
 _PROGRESS_TEXT = re.compile(r"\d+%\|[█▏▎▍▌▋▊▉ ]*\|")  # tqdm's "37%|███▋      |"

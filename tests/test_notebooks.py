@@ -20,7 +20,9 @@ from attn_course.course import (
     load_runtimes,
     setup_cell_source,
 )
-from attn_course.notebooks import BEGIN, END, STUB, exercise_is_current, final_progress_text, strip_solutions
+from attn_course.notebooks import (
+    BEGIN, END, STUB, exercise_is_current, final_progress_text, merge_adjacent_streams, strip_solutions,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("notebooks", "solutions", "exercises")
@@ -272,3 +274,20 @@ def test_the_repository_address_is_written_only_in_course_py():
         )
     citation = (ROOT / "CITATION.cff").read_text()
     assert f'repository-code: "{REPO_URL}"' in citation, "CITATION.cff's repository-code must be course.py's REPO_URL"
+
+
+def test_consecutive_prints_are_stored_as_one_output_and_figures_stay_between():
+    """Regeneration joins the prints a loaded kernel sent one by one, but never moves them past a figure."""
+    out = nbformat.v4.new_output
+    cell = nbformat.v4.new_code_cell("...", outputs=[
+        out("stream", name="stdout", text="a\n"), out("stream", name="stdout", text="b\n"),
+        out("stream", name="stderr", text="warning\n"),
+        out("display_data", data={"text/plain": "<figure>"}),
+        out("stream", name="stdout", text="c\n"), out("stream", name="stdout", text="d\n"),
+    ])
+    nb = nbformat.v4.new_notebook(cells=[cell, nbformat.v4.new_markdown_cell("text")])
+    assert merge_adjacent_streams(nb) == 2
+    assert [(o.output_type, o.get("name"), o.get("text")) for o in cell.outputs] == [
+        ("stream", "stdout", "a\nb\n"), ("stream", "stderr", "warning\n"), ("display_data", None, None),
+        ("stream", "stdout", "c\nd\n"),
+    ]
