@@ -321,3 +321,23 @@ def test_the_first_probe_does_not_import_torch_dynamo():
             "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_forbidden_names_in_unimported_modules_cost_nothing_until_used():
+    """03.causal_mask forbids torch.nn.attention.bias's CausalBias, whose import loads torch._dynamo (seconds):
+    it is resolved only when code from that file runs, and a submission that imports and calls it is still caught."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time, torch\nfrom attn_course.grading import check\n"
+        "def honest(L, S):\n    return torch.ones(L, S, dtype=torch.bool).tril()\n"
+        "start = time.perf_counter()\nfirst = check('03.causal_mask', honest, quiet=True)\n"
+        "print(first.score == first.max_score, 'torch._dynamo' in sys.modules, time.perf_counter() - start < 1.0)\n"
+        "def cheat(L, S):\n    from torch.nn.attention.bias import causal_upper_left\n"
+        "    return causal_upper_left(L, S)._materialize()\n"
+        "caught = check('03.causal_mask', cheat, quiet=True)\n"
+        "print(caught.score == 0, any('CausalBias._materialize' in c.message for c in caught.checks))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False", "True", "True", "True"], out

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -146,6 +147,20 @@ class _Resolved:
         self.builtins: dict[int, tuple[Any, str]] = {}  # builtins, by id (object kept alive)
         self.tensor_methods: dict[str, str] = {}  # torch.Tensor methods, by name: x.method(...) is a bound builtin
         self.aten_patterns: list[tuple[str, str]] = []  # (fnmatch pattern, declared name)
+        # Names in modules nobody has imported yet, by the module's file: resolved when code from that file
+        # first runs (importing them up front can cost seconds: torch.nn.attention.bias loads torch._dynamo).
+        self.pending: dict[str, list[str]] = {}
+
+    def resolve_pending(self, filename: str) -> None:
+        """Resolve the names waiting for ``filename``'s module, now that its code runs; keep those not defined yet."""
+        waiting = []
+        for name in self.pending.pop(filename, []):
+            try:
+                _add_forbidden(self, name, _import_dotted(name))
+            except (ImportError, AttributeError):  # the module is still executing its top level
+                waiting.append(name)
+        if waiting:
+            self.pending[filename] = waiting
 
 
 def _import_dotted(name: str) -> Any:
@@ -203,22 +218,55 @@ def resolve_forbidden(names: tuple[str, ...]) -> _Resolved:
                 for builtin in _aten_entry_points(name[len("aten."):]):
                     resolved.builtins[id(builtin)] = (builtin, name)
             continue
+        unloaded = _unloaded_module_file(name)
+        if unloaded is not None:  # a call into it must first import it: wait for its code to run
+            resolved.pending.setdefault(unloaded, []).append(name)
+            continue
         try:
             obj = _import_dotted(name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"forbidden name {name!r} does not resolve ({type(exc).__name__}: {exc})") from None
-        if inspect.isclass(obj):
-            obj = getattr(obj, "forward", None) or obj.__call__
-        code = _code_of(obj)
-        if code is not None:
-            resolved.codes[code] = name
-        elif inspect.ismethoddescriptor(obj) and issubclass(torch.Tensor, getattr(obj, "__objclass__", type(None))):
-            resolved.tensor_methods[obj.__name__] = name  # "torch.Tensor.repeat_interleave": x.repeat_interleave(...)
-        elif callable(obj):  # a builtin: matched by identity in c_call events
-            resolved.builtins[id(obj)] = (obj, name)
-        else:
-            raise ValueError(f"forbidden name {name!r} is a {type(obj).__name__}, not something one can call")
+        _add_forbidden(resolved, name, obj)
     return resolved
+
+
+def _add_forbidden(resolved: _Resolved, name: str, obj: Any) -> None:
+    """Record ``obj`` (what ``name`` names) where the hooks look for it."""
+    if inspect.isclass(obj):
+        obj = getattr(obj, "forward", None) or obj.__call__
+    code = _code_of(obj)
+    if code is not None:
+        resolved.codes[code] = name
+    elif inspect.ismethoddescriptor(obj) and issubclass(torch.Tensor, getattr(obj, "__objclass__", type(None))):
+        resolved.tensor_methods[obj.__name__] = name  # "torch.Tensor.repeat_interleave": x.repeat_interleave(...)
+    elif callable(obj):  # a builtin: matched by identity in c_call events
+        resolved.builtins[id(obj)] = (obj, name)
+    else:
+        raise ValueError(f"forbidden name {name!r} is a {type(obj).__name__}, not something one can call")
+
+
+def _unloaded_module_file(name: str) -> str | None:
+    """The source file of the first module on ``name``'s dotted path that is not imported yet, or None.
+
+    Only when its parent package is imported (finding a module's file then imports nothing) and the
+    module is plain Python; None means "import and resolve now".
+    """
+    parts = name.split(".")
+    for split in range(1, len(parts) + 1):
+        module = ".".join(parts[:split])
+        if module in sys.modules:
+            continue
+        parent = ".".join(parts[: split - 1])
+        if parent and parent not in sys.modules:
+            return None
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return None  # an attribute of an imported module, or not plain Python
+        return spec.origin
+    return None
 
 
 def display_name(name: str) -> str:
@@ -383,7 +431,10 @@ class Probe:
     def _profile(self, frame, event, arg) -> None:
         targets = self._targets
         if event == "call":
-            name = targets.codes.get(frame.f_code)
+            code = frame.f_code
+            if targets.pending and code.co_filename in targets.pending:
+                targets.resolve_pending(code.co_filename)
+            name = targets.codes.get(code)
             if name is not None:
                 self._record_call(name)
         elif event == "c_call":
