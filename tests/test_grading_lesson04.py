@@ -140,3 +140,39 @@ def test_a_hint_is_said_only_when_the_learners_other_answers_fit_it():
     assert "assumed 4 bytes per element" not in feedback
     float32 = grade_function(task, task.wrong["4 bytes per element whatever the dtype"].fn).feedback
     assert "assumed 4 bytes per element" in float32 and "every time it was saved" not in float32
+
+
+def test_the_judges_counter_gives_flopcountermodes_totals_without_importing_dynamo():
+    """The judges count with PyTorch's FLOP formulas in their own dispatch mode: the same totals as FlopCounterMode
+    on every case (forward and forward+backward, storing or recomputing), and a first check that loads no Dynamo."""
+    import subprocess
+    import sys
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from attn_course.chunked import chunked_attention
+    from attn_course.grading.tasks.lesson04 import _PyTorchFlops
+
+    def both(fn):
+        with FlopCounterMode(display=False) as theirs:
+            fn()
+        with _PyTorchFlops() as ours:
+            fn()
+        return ours.flops, theirs.get_total_flops()
+
+    for case in TASKS["04.training_flops"].make_cases():
+        B, H, L, S, D, Dv = case.args
+        q, k, v = (torch.randn(B, H, n, d, requires_grad=True) for n, d in ((L, D), (S, D), (S, Dv)))
+        for recompute in (False, True):
+            ours, theirs = both(lambda: chunked_attention(q, k, v, query_chunk_size=3, key_chunk_size=4,
+                                                          recompute=recompute).sum().backward())
+            assert ours == theirs > 0, (case.name, recompute)
+        ours, theirs = both(lambda: torch.softmax(q @ k.transpose(-2, -1), -1) @ v)
+        assert ours == theirs > 0
+    code = ("import sys\nfrom attn_course.grading import TASKS, check\n"
+            "for task_id in ('04.attention_flops', '04.training_flops'):\n"
+            "    result = check(task_id, TASKS[task_id].reference, quiet=True)\n"
+            "    assert result.score == result.max_score\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False"]
