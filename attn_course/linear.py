@@ -24,13 +24,12 @@ do not depend on ``i``: computing them first (associativity of the matrix produc
     ``tril(phi(Q_c) phi(K_c)^T) V_c`` -- one ``(C, C)`` matmul; across chunks, one running
     ``(M, Dv)`` state ``S`` and normaliser ``z`` (the RNN state, advanced a chunk at a time:
     ``S <- S + phi(K_c)^T V_c``), which the chunk's queries read as ``phi(Q_c) S``. Every step is
-    a matrix product, so the time is matmul-bound and linear in ``N`` (measured: 17.7x from
-    N = 1024 to 16384, one thread).
+    a matrix product, so the time is matmul-bound and linear in ``N`` (``attn-course bench peers``
+    measured 17.8x from N = 1024 to 16384, 2 threads).
   - ``"prefix_sum"``: the literal definition, ``cumsum`` of the ``(C, M, Dv)`` outer products
     ``phi(k_j) v_j^T`` chunk by chunk. It reads and writes ``M Dv`` numbers per position, which
-    makes it memory-bound: measured 9-20x slower than ``"chunkwise"`` at N = 1024..16384 (B = 1,
-    H = 8, D = 64, float32, 2 threads, interleaved, on a 2-core machine at load 15), and 26-39x
-    slower than a chunkwise peer on an idle one (issue 22).
+    makes it memory-bound: lesson 06 measures it against ``"chunkwise"`` (15x slower at N = 2048,
+    B = 1, H = 2, D = 64, float32, one thread, on the 2-core development machine).
   - ``"rnn"``: one token at a time, exactly :func:`linear_attention_step` in a loop -- an RNN
     whose state is ``(S_t, z_t)``. For teaching and for checking; :func:`linear_attention_step`
     is the one to decode with, in constant memory per token.
