@@ -1,8 +1,9 @@
 # attn-course: `make lab` starts the course, `make test` runs every test.
 # Both create .venv and install everything on first use.
 #
-# TORCH picks the PyTorch requirement installed with the package. The default is the CPU
-# build pinned for laptops and CI; for a CUDA build use e.g. `make lab TORCH=torch`.
+# TORCH picks the PyTorch requirement installed with the package (when .venv is first built). The
+# default pin is PyPI's CPU build on macOS and Windows and its CUDA build on Linux; for the CPU wheel
+# on Linux, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (as .github/workflows/pages.yml does).
 PYTHON  ?= python3
 VENV    ?= .venv
 TORCH   ?= torch==2.13.0
@@ -30,8 +31,8 @@ OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
 setup: $(STAMP)
 
-# torch is named in the same pip command as the package so pip takes the pinned build
-# instead of resolving `torch>=2.2` to a multi-GB CUDA wheel. The extras: `lab` is JupyterLab
+# torch is named in the same pip command as the package so pip takes the pinned version
+# instead of resolving `torch>=2.2` to the newest one. The extras: `lab` is JupyterLab
 # (not a runtime dependency: Colab brings its own Jupyter), `dev` the test tools.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
