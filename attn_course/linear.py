@@ -43,8 +43,8 @@ al. 2021, which approximate the softmax kernel itself).
 ``eps`` (default ``1e-6``, the value and the place used by the source article and the
 paper's code) is added to the denominator: ``out = num / (den + eps)``. It keeps a row
 finite when ``den`` is 0 -- ``elu(x) + 1`` is exactly 0 in float32 for ``x`` below about
--16.6, ReLU features are 0 for any negative input, and a fully padded row has no keys --
-and then the output row is 0. float16 / bfloat16 inputs are computed and accumulated in
+-17 (-16.6 to -17.3, depending on the kernel that computes it), ReLU features are 0 for any
+negative input, and a fully padded row has no keys -- and then the output row is 0. float16 / bfloat16 inputs are computed and accumulated in
 float32 (a sum of 16k features of size ~5 already exceeds float16's 65504), then cast back.
 
 Shapes: q ``(..., L, D)``, k ``(..., S, D)``, v ``(..., S, Dv)`` -> ``(..., L, Dv)``; features

@@ -72,6 +72,28 @@ def _causal_chunked_cumsum(q, k, v, chunk=32):
     return torch.cat(outputs, dim=-2)
 
 
+def _causal_chunkwise(q, k, v, chunk_size):
+    """Task 3's chunkwise form handed in for task 2: correct, O(L c) work, several times the prefix sums' at M = 4."""
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M)
+    state = q.new_zeros(*q.shape[:-2], q.shape[-1], v.shape[-1])  # (..., M, Dv)
+    z = q.new_zeros(*q.shape[:-2], q.shape[-1], 1)  # (..., M, 1)
+    outputs = []
+    for start in range(0, q.shape[-2], chunk_size):
+        pq, pk, pv = (x[..., start : start + chunk_size, :] for x in (phi_q, phi_k, v))  # (..., c, M or Dv)
+        inside = (pq @ pk.transpose(-2, -1)).tril()  # (..., c, c)
+        outputs.append((inside @ pv + pq @ state) / (inside.sum(-1, keepdim=True) + pq @ z + 1e-6))
+        state = state + pk.transpose(-2, -1) @ pv
+        z = z + pk.sum(-2)[..., None]
+    return torch.cat(outputs, dim=-2)
+
+
+def _causal_chunks_of(chunk_size):
+    def causal_linear_attention(q, k, v):
+        return _causal_chunkwise(q, k, v, chunk_size)
+
+    return causal_linear_attention
+
+
 def _chunkwise_ones_column(q, k, v, chunk_size):
     """Numerator and denominator in one product: append a column of ones to v, so S carries z along."""
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M)
@@ -108,7 +130,7 @@ def _chunkwise_padded_features(q, k, v, chunk_size):
 
 ALTERNATIVES = {
     "06.linear_attention": [_linear_einsum, _linear_key_chunks],
-    "06.causal_linear_attention": [_causal_rnn, _causal_chunked_cumsum],
+    "06.causal_linear_attention": [_causal_rnn, _causal_chunked_cumsum, *(_causal_chunks_of(c) for c in (4, 16, 64, 100))],
     "06.chunkwise_causal_linear_attention": [_chunkwise_ones_column, _chunkwise_padded_features],
 }
 ALTERNATIVE_CASES = [(task_id, i) for task_id, fns in ALTERNATIVES.items() for i in range(len(fns))]
@@ -160,3 +182,50 @@ def test_causal_long_cases_keep_the_prefix_sums_at_a_quarter_of_the_limit():
     task_id = "06.causal_linear_attention"
     cases, reference = _largest(task_id, TASKS[task_id].reference, (5, 6))
     assert all(numel <= c.args[0].shape[-2] ** 2 / 4 for c, numel in zip(cases, reference))
+
+
+def _work(task_id, fn, indices):
+    task = TASKS[task_id]
+    cases = task.make_cases()
+    outcomes = run_cases(fn, [cases[i] for i in indices], measure=task.measure, forbidden=task.forbidden)
+    return [o.probe["flops"] for o in outcomes]
+
+
+_HONEST_CAUSAL = {
+    "reference": TASKS["06.causal_linear_attention"].reference,
+    "recurrent": lesson06._causal_recurrent,
+    # Chunks up to half the shortest long case: a chunk nearly as long as the sequence is the quadratic form.
+    **{f"chunkwise, chunks of {c}": _causal_chunks_of(c) for c in (4, 16, 64, 100)},
+}
+_QUADRATIC_CAUSAL = ("causal mask on the quadratic form", "loop that fills an (L, L) matrix row by row",
+                     "prefix sums recomputed from scratch at every position")
+
+
+@pytest.mark.parametrize("pair", lesson06._GROWTH_PAIRS, ids=["with heads", "no head axis"])
+def test_causal_work_growth_separates_linear_forms_of_any_constant_from_quadratic_ones(pair):
+    """Doubling L: every honest form (prefix sums, recurrent, chunkwise with chunks of 4 to 100, whose work is up to
+    18x the prefix sums') grows 1.9-2.2x, every quadratic one at least 3.9x: well inside and outside GROWTH_BAND."""
+    task_id = "06.causal_linear_attention"
+    low, high = lesson06.GROWTH_BAND
+    for name, fn in _HONEST_CAUSAL.items():
+        short, long_ = _work(task_id, fn, pair)
+        assert low < 1.9 <= long_ / short <= 2.2 < high, name
+    for name in _QUADRATIC_CAUSAL:
+        short, long_ = _work(task_id, TASKS[task_id].wrong[name].fn, pair)
+        assert long_ / short >= 3.9 > high, name
+
+
+def test_the_causal_work_hint_tells_the_small_tensor_story_only_when_it_is_true():
+    """A quadratic form with small tensors gets the 'summed from scratch' story; one with an (L, L) matrix does not
+    (the memory check told it already); a chunkwise form with large chunks is not told either: it passes."""
+    task = TASKS["06.causal_linear_attention"]
+    work_check = next(name for name in (c.name for c in grade_function(task, task.reference).checks) if name.startswith("work"))
+
+    def work_message(fn):
+        return next(c for c in grade_function(task, fn).checks if c.name == work_check)
+
+    scratch = work_message(task.wrong["prefix sums recomputed from scratch at every position"].fn)
+    assert not scratch.passed and "summed from scratch" in scratch.message and "x3.9" in scratch.message
+    matrix = work_message(task.wrong["causal mask on the quadratic form"].fn)
+    assert not matrix.passed and "summed from scratch" not in matrix.message
+    assert work_message(_causal_chunks_of(64)).passed
