@@ -4,8 +4,9 @@
 * ``07.online_softmax_attention``: attention over key chunks, with masks and chunks in which a row
   has no allowed key; graded on its algorithm too: no intermediate may reach the size of the
   ``(..., L, S)`` score matrix (``measure=("largest",)``).
-* ``07.causal_chunked_attention`` (stretch): causal attention over query and key chunks that never
-  computes a block lying in the future, graded by the work it does (``measure=("flops",)``).
+* ``07.causal_chunked_attention`` (stretch): causal attention over query and key chunks for queries
+  that come after a cache of keys (the mask aligned bottom-right), never computing a block lying in
+  the future, graded by the work it does (``measure=("flops",)``).
 
 Calling the course's chunked attention (or its chunk statistics), its attention or PyTorch's fused
 kernel gives a task zero (``forbidden``); the learner's own ``merge_partials`` (or the library's)
@@ -781,51 +782,65 @@ ONLINE_SOFTMAX_ATTENTION = Task(
 
 
 # --- 07.causal_chunked_attention (stretch) --------------------------------------------------
-# The learner writes causal_chunked_attention(q, k, v, chunk_size) -> (..., L, Dv): top-left
-# causal attention (query i sees keys 0..i) over query chunks x key chunks merged with the online
-# softmax, never computing a block that lies entirely in the future. The grader counts the work
-# (the probe's FLOP count, matrix products exactly) on two long cases: computing every block costs
-# 2n / (n + 1) times the blocks on or below the diagonal (n chunks per side).
+# The learner writes causal_chunked_attention(q, k, v, chunk_size) -> (..., L, Dv): causal attention
+# for L queries that are the LAST L of S >= L positions (chunked prefill after a KV cache of S - L
+# keys), so the mask is aligned bottom-right: query i sees keys 0..i + S - L, as
+# torch.ones(L, S).tril(diagonal=S - L) or PyTorch's CausalBias lower-right. The lesson's
+# chunked_attention (and the backward pass it prints) skips blocks for the top-left mask of
+# is_causal=True; this variant moves the diagonal, and when S - L is not a multiple of the chunk a
+# block that must be computed holds rows with no allowed key (the empty-chunk guard of task 2).
+# Query and key chunks are merged with the online softmax, never computing a block that lies
+# entirely in the future. The grader counts the work (the probe's FLOP count, matrix products
+# exactly) on two long cases. Every case has S >= L, as the task states.
 
 # Work allowed, in multiples of the intended algorithm's count (_causal_intended_flops: the matrix
-# products of the blocks on or below the diagonal plus 8 passes over each block). Measured on the two
-# long cases (tests/test_grading_lesson07.py): the reference 1.13x, the accepted query-at-once form 0.96x;
-# computing every block with the future masked 2.01x and 2.55x, the dense causal softmax 1.70x and 2.15x.
+# products of the blocks that hold an allowed key plus 8 passes over each block). Measured on the two
+# long cases (tests/test_grading_lesson07.py): the reference 1.13x on both, the accepted
+# query-at-once form 0.96x and 0.88x; computing every block with the future masked 2.01x and 1.78x,
+# the dense causal softmax 1.70x and 1.50x.
 _CAUSAL_FLOP_FACTOR = 1.35
 
 
 def _causal_cases() -> list[Case]:
     randn = seeded_randn(727)
     return [
-        Case("q, k, v (2, 2, 16, 8), chunk_size=4 (4 x 4 blocks), float64",
+        Case("q, k, v (2, 2, 16, 8), chunk_size=4 (L = S, 4 x 4 blocks), float64",
              (randn(2, 2, 16, 8), randn(2, 2, 16, 8), randn(2, 2, 16, 8), 4)),
-        Case("q (2, 3, 10, 8), k (2, 3, 14, 8), v (2, 3, 14, 6), chunk_size=4 (L < S, ragged), float64",
-             (randn(2, 3, 10, 8), randn(2, 3, 14, 8), randn(2, 3, 14, 6), 4)),
-        Case("q (2, 2, 14, 8), k (2, 2, 9, 8), v (2, 2, 9, 5), chunk_size=4 (L > S: the last queries see every key), "
-             "float64",
-             (randn(2, 2, 14, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 5), 4)),
-        Case("q, k, v (2, 2, 7, 8), chunk_size=16 (one block), float64",
-             (randn(2, 2, 7, 8), randn(2, 2, 7, 8), randn(2, 2, 7, 8), 16)),
-        Case("long: q, k, v (2, 2, 64, 16), chunk_size=8 (8 x 8 blocks), float64",
+        Case("q (2, 3, 10, 8), k (2, 3, 15, 8), v (2, 3, 15, 6), chunk_size=4 (a cache of 5 keys: rows with no "
+             "allowed key in a computed block), float64",
+             (randn(2, 3, 10, 8), randn(2, 3, 15, 8), randn(2, 3, 15, 6), 4)),
+        Case("q (2, 2, 5, 8), k (2, 2, 21, 8), v (2, 2, 21, 5), chunk_size=4 (a cache of 16 keys), float64",
+             (randn(2, 2, 5, 8), randn(2, 2, 21, 8), randn(2, 2, 21, 5), 4)),
+        Case("q (2, 2, 1, 8), k, v (2, 2, 9, 8), chunk_size=4 (one new query: it sees every key), float64",
+             (randn(2, 2, 1, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 8), 4)),
+        Case("q (2, 2, 5, 8), k, v (2, 2, 7, 8), chunk_size=16 (one block, a cache of 2 keys), float64",
+             (randn(2, 2, 5, 8), randn(2, 2, 7, 8), randn(2, 2, 7, 8), 16)),
+        Case("long: q, k, v (2, 2, 64, 16), chunk_size=8 (L = S, 8 x 8 blocks), float64",
              (randn(2, 2, 64, 16), randn(2, 2, 64, 16), randn(2, 2, 64, 16), 8)),
-        Case("long: q (2, 2, 56, 16), k, v (2, 2, 72, 16), chunk_size=8 (L < S), float64",
-             (randn(2, 2, 56, 16), randn(2, 2, 72, 16), randn(2, 2, 72, 16), 8)),
+        Case("long: q (2, 2, 64, 16), k, v (2, 2, 68, 16), chunk_size=8 (a cache of 4 keys, 8 x 9 blocks), float64",
+             (randn(2, 2, 64, 16), randn(2, 2, 68, 16), randn(2, 2, 68, 16), 8)),
     ]
 
 
-_CAUSAL_SQUARE, _CAUSAL_WIDE, _CAUSAL_TALL, _CAUSAL_ONE_BLOCK, _CAUSAL_LONG, _CAUSAL_LONG_WIDE = range(6)
+(_CAUSAL_SQUARE, _CAUSAL_RAGGED_CACHE, _CAUSAL_LONG_CACHE, _CAUSAL_ONE_QUERY, _CAUSAL_ONE_BLOCK, _CAUSAL_LONG,
+ _CAUSAL_LONG_CACHED) = range(7)
+
+
+def _causal_allowed(L: int, S: int) -> torch.Tensor:
+    """(L, S) bool, True = may attend: the causal mask aligned bottom-right (query i sees keys 0..i + S - L)."""
+    return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)
 
 
 def _causal_expected(q, k, v):
-    return scaled_dot_product_attention(q, k, v, is_causal=True)
+    return scaled_dot_product_attention(q, k, v, _causal_allowed(q.shape[-2], k.shape[-2]))
 
 
 def _causal_blocks(L: int, S: int, chunk: int) -> list[tuple[int, int]]:
-    """(query rows, key columns) of every block on or below the diagonal (top-left causal)."""
+    """(query rows, key columns) of every block holding a key that a query of its chunk may see (bottom-right)."""
     blocks = []
     for q0 in range(0, L, chunk):
         q1 = min(q0 + chunk, L)
-        for k0 in range(0, min(S, q1), chunk):
+        for k0 in range(0, min(S, q1 + S - L), chunk):
             blocks.append((q1 - q0, min(k0 + chunk, S) - k0))
     return blocks
 
@@ -839,25 +854,25 @@ def _causal_intended_flops(q, k, v, chunk: int) -> float:
     return heads * pairs * (2 * (D + Dv) + 8)
 
 
-def _causal_variant(q, k, v, chunk, *, skip=True, offset=0, bottom_right=False, mask_inside=True,
-                    skip_diagonal=False):
-    """Causal chunked attention written out, with one mistake switched on."""
+def _causal_variant(q, k, v, chunk, *, skip=True, offset=0, top_left=False, mask_inside=True,
+                    skip_diagonal=False, guard=True):
+    """Bottom-right causal chunked attention written out, with one mistake switched on."""
     L, S = q.shape[-2], k.shape[-2]
-    shift_diagonal = S - L if bottom_right else 0  # bottom-right alignment: query i sees keys 0..i + S - L
+    diagonal = 0 if top_left else S - L  # query i sees keys 0..i + diagonal
     scale = 1 / math.sqrt(q.shape[-1])
     outputs = []
     for q0 in range(0, L, chunk):
         q1 = min(q0 + chunk, L)
         rows = torch.arange(q0, q1)[:, None]  # (cq, 1)
-        stop = S if not skip else min(S, max(0, (q0 if skip_diagonal else q1) + shift_diagonal))
+        stop = S if not skip else min(S, max(0, (q0 if skip_diagonal else q1) + diagonal))
         running = None
         for k0 in range(0, stop, chunk):
             k1 = min(k0 + chunk, S)
             scores = q[..., q0:q1, :] @ k[..., k0:k1, :].transpose(-2, -1) * scale  # (..., cq, ck)
             if mask_inside:
-                future = torch.arange(k0, k1)[None, :] > rows + shift_diagonal - offset  # (cq, ck)
+                future = torch.arange(k0, k1)[None, :] > rows + diagonal - offset  # (cq, ck)
                 scores = scores.masked_fill(future, float("-inf"))
-            chunk_stats = _chunk_statistics(scores, v[..., k0:k1, :])
+            chunk_stats = _chunk_statistics(scores, v[..., k0:k1, :], guard=guard)
             running = chunk_stats if running is None else _merge_written_out(running, chunk_stats)
         if running is None:
             outputs.append(torch.zeros(*q.shape[:-2], q1 - q0, v.shape[-1], dtype=q.dtype))
@@ -873,17 +888,21 @@ def _diagnose_causal(got, q, k, v, chunk) -> str | None:
         _causal_expected(q, k, v),
         [
             (lambda: _causal_variant(q, k, v, chunk, offset=1),
-             "your causal mask is off by one: query i may attend to key i itself (key <= query), only keys after it "
-             "are blocked."),
-            (lambda: _causal_variant(q, k, v, chunk, bottom_right=True),
-             "your causal mask is aligned bottom-right (query i sees keys up to i + S - L). PyTorch's is_causal, "
-             "and this task, align it top-left: query i sees keys 0..i, whatever S is."),
+             "your causal mask is off by one: a query may attend to the key at its own position (query i to key "
+             "i + S - L), only the keys after it are blocked."),
+            (lambda: _causal_variant(q, k, v, chunk, top_left=True),
+             "your causal mask is aligned top-left (query i sees keys 0..i, as is_causal=True does). Here the queries "
+             "are the last L of S positions, after a cache of S - L keys: query i sees keys 0..i + S - L."),
             (lambda: _causal_variant(q, k, v, chunk, mask_inside=False),
-             "inside the blocks you compute, the pairs with key > query are not masked: a query chunk's last block "
-             "reaches past the diagonal, and the keys past it are the future."),
+             "inside the blocks you compute, the future pairs are not masked: a query chunk's last block reaches "
+             "past the diagonal, and the keys past it are the future."),
             (lambda: _causal_variant(q, k, v, chunk, skip_diagonal=True),
-             "you skip the diagonal block too: the key chunk that overlaps the query chunk holds each query's own "
-             "key and its recent past. Skip only key chunks that start at or after the query chunk's end."),
+             "you skip the diagonal block too: the key chunk that holds a query's own position and its recent past "
+             "must be computed. Skip only the key chunks in which no query of the chunk may see any key."),
+            (lambda: _causal_variant(q, k, v, chunk, guard=False),
+             "a block you compute can hold rows with no allowed key (when S - L is not a multiple of the chunk, the "
+             "diagonal cuts across the blocks): their max is -inf, and exp(-inf - (-inf)) = exp(nan). Shift such rows "
+             "by 0 instead, as in task 2, so their exp terms are exp(-inf) = 0."),
         ],
     )
 
@@ -895,8 +914,10 @@ def _judge_causal(cases, outcomes):
             q, _, v, _ = case.args
             expect_shape(got, (*q.shape[:-1], v.shape[-1]), what=case.name)
             expect_dtype(got, q.dtype, what=case.name)
-    for title, indices in (("equals causal attention, top-left aligned (L = S)", (_CAUSAL_SQUARE, _CAUSAL_LONG)),
-                           ("L != S: query i still sees keys 0..i", (_CAUSAL_WIDE, _CAUSAL_TALL, _CAUSAL_LONG_WIDE)),
+    for title, indices in (("L = S: equals causal attention (no cache: the diagonal is the main one)",
+                            (_CAUSAL_SQUARE, _CAUSAL_LONG)),
+                           ("after a cache of S - L keys: query i sees keys 0..i + S - L",
+                            (_CAUSAL_RAGGED_CACHE, _CAUSAL_LONG_CACHE, _CAUSAL_ONE_QUERY, _CAUSAL_LONG_CACHED)),
                            ("one chunk covering the whole sequence", (_CAUSAL_ONE_BLOCK,))):
         with checklist.check(title):
             for index in indices:
@@ -912,9 +933,9 @@ def _judge_causal(cases, outcomes):
         o.error is None and same(o.returned, _causal_expected(*c.args[:3]), atol=1e-9, rtol=1e-9)
         for c, o in zip(cases, outcomes)
     )
-    with checklist.check("skips the future: the work of the blocks on or below the diagonal only "
+    with checklist.check("skips the future: the work of the blocks that hold an allowed key only "
                          f"(within {_CAUSAL_FLOP_FACTOR}x)"):
-        for index in (_CAUSAL_LONG, _CAUSAL_LONG_WIDE):
+        for index in (_CAUSAL_LONG, _CAUSAL_LONG_CACHED):
             case, outcome = cases[index], outcomes[index]
             returned(outcome, what=case.name)
             q, k, v, chunk = case.args
@@ -928,11 +949,11 @@ def _judge_causal(cases, outcomes):
             expect_flops_at_most(
                 outcome, _CAUSAL_FLOP_FACTOR * intended, what=case.name, intended=intended,
                 hint=f"Of the {n_q} x {n_k} blocks, only {computed} hold a key that some query of their chunk may see: "
-                "a key chunk that starts at or after the query chunk's end is entirely in the future, and needs no "
-                f"scores at all.{story}",
+                "a key chunk that starts after the last key its query chunk's last query may see is entirely in the "
+                f"future, and needs no scores at all.{story}",
             )
     with checklist.check("never forms an (L, S) matrix"):
-        for index in (_CAUSAL_LONG, _CAUSAL_LONG_WIDE):
+        for index in (_CAUSAL_LONG, _CAUSAL_LONG_CACHED):
             case, outcome = cases[index], outcomes[index]
             returned(outcome, what=case.name)
             q, k, _, chunk = case.args
@@ -953,13 +974,13 @@ def _causal_reference(q, k, v, chunk_size):
 
 
 def _causal_query_chunks_all_past_keys(q, k, v, chunk_size):
-    """Correct too: each chunk of queries against all its past keys at once (keys 0 .. q1), future never computed."""
+    """Correct too: each chunk of queries against all the keys it may see at once, future never computed."""
     L, S = q.shape[-2], k.shape[-2]
     outputs = []
     for q0 in range(0, L, chunk_size):
         q1 = min(q0 + chunk_size, L)
-        keys = min(S, q1)
-        future = torch.arange(keys)[None, :] > torch.arange(q0, q1)[:, None]  # (cq, keys)
+        keys = min(S, q1 + S - L)
+        future = torch.arange(keys)[None, :] > torch.arange(q0, q1)[:, None] + S - L  # (cq, keys)
         scores = q[..., q0:q1, :] @ k[..., :keys, :].transpose(-2, -1) / math.sqrt(q.shape[-1])
         outputs.append(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v[..., :keys, :])
     return torch.cat(outputs, dim=-2)
@@ -970,9 +991,8 @@ def _causal_no_skip(q, k, v, chunk_size):
 
 
 def _causal_dense(q, k, v, chunk_size):
-    L, S = q.shape[-2], k.shape[-2]
-    future = torch.ones(L, S, dtype=torch.bool).triu(1)  # (L, S), True = blocked
-    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(future, float("-inf"))
+    blocked = ~_causal_allowed(q.shape[-2], k.shape[-2])  # (L, S), True = blocked
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(blocked, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
@@ -980,8 +1000,8 @@ def _causal_off_by_one(q, k, v, chunk_size):
     return _causal_variant(q, k, v, chunk_size, offset=1)
 
 
-def _causal_bottom_right(q, k, v, chunk_size):
-    return _causal_variant(q, k, v, chunk_size, bottom_right=True)
+def _causal_top_left(q, k, v, chunk_size):
+    return _causal_variant(q, k, v, chunk_size, top_left=True)
 
 
 def _causal_unmasked_blocks(q, k, v, chunk_size):
@@ -992,15 +1012,20 @@ def _causal_skips_diagonal(q, k, v, chunk_size):
     return _causal_variant(q, k, v, chunk_size, skip_diagonal=True)
 
 
+def _causal_nan_on_empty_rows(q, k, v, chunk_size):
+    return _causal_variant(q, k, v, chunk_size, guard=False)
+
+
 def _causal_library(q, k, v, chunk_size):
     from ...chunked import chunked_attention
 
-    return chunked_attention(q, k, v, query_chunk_size=chunk_size, key_chunk_size=chunk_size, is_causal=True)
+    allowed = _causal_allowed(q.shape[-2], k.shape[-2])  # (L, S): the right mask, every block computed
+    return chunked_attention(q, k, v, allowed, query_chunk_size=chunk_size, key_chunk_size=chunk_size)
 
 
 CAUSAL_CHUNKED_ATTENTION = Task(
     id="07.causal_chunked_attention",
-    title="Causal chunked attention that skips the future",
+    title="Causal chunked attention after a cache, skipping the future",
     function_name="causal_chunked_attention",
     make_cases=_causal_cases,
     judge=_judge_causal,
@@ -1010,13 +1035,15 @@ CAUSAL_CHUNKED_ATTENTION = Task(
                                                              kind="algorithm"),
         "dense causal softmax": Wrong(_causal_dense, "never the (L, S)", kind="algorithm"),
         "causal mask off by one (key < query)": Wrong(_causal_off_by_one, "off by one"),
-        "causal mask aligned bottom-right": Wrong(_causal_bottom_right, "aligned bottom-right"),
+        "causal mask aligned top-left (is_causal=True)": Wrong(_causal_top_left, "aligned top-left"),
         "no mask inside the diagonal blocks": Wrong(_causal_unmasked_blocks, "are not masked"),
         "skips the diagonal block too": Wrong(_causal_skips_diagonal, "skip the diagonal block too"),
-        "calls chunked_attention(is_causal=True)": Wrong(_causal_library, "you called attn_course.chunked_attention",
-                                                         kind="algorithm"),
+        "NaN on a computed block's rows with no allowed key": Wrong(_causal_nan_on_empty_rows,
+                                                                     "exp(-inf - (-inf)) = exp(nan)"),
+        "calls chunked_attention with the bottom-right mask": Wrong(
+            _causal_library, "you called attn_course.chunked_attention", kind="algorithm"),
     },
-    accepted={"each query chunk against all its past keys at once": _causal_query_chunks_all_past_keys},
+    accepted={"each query chunk against all the keys it may see at once": _causal_query_chunks_all_past_keys},
     measure=("largest", "flops"),
     forbidden=_NOT_ONLINE,
     stretch=True,
