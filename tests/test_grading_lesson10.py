@@ -27,22 +27,25 @@ def test_lesson_10_has_two_tasks_and_a_stretch_task():
 # --- other correct solutions -----------------------------------------------------------------
 
 
-def _rel_shift_gather(scores):
-    L = scores.shape[-2]
-    index = (L - 1) - torch.arange(L)[:, None] + torch.arange(L)[None, :]  # (L, L)
-    return scores.gather(-1, index.expand(*scores.shape[:-1], L))  # (..., L, L)
-
-
 def _rel_shift_loop(scores):
+    """The definition, one row at a time: the oracle here (the task rejects it: a loop over positions)."""
     L = scores.shape[-2]
     return torch.stack([scores[..., i, L - 1 - i : 2 * L - 1 - i] for i in range(L)], dim=-2)  # (..., L, L)
 
 
-def _rel_shift_unfold(scores):
+def _rel_shift_unfold_diagonal(scores):
+    """Views only: the windows of the flipped rows, and the diagonal that picks row i's window i."""
     L = scores.shape[-2]
-    windows = scores.flip(-1).unfold(-1, L, 1)  # (..., L, L, L): views, no copy
-    rows = torch.arange(L)
-    return windows[..., rows, rows, :].flip(-1)  # row i, window starting at offset i
+    windows = scores.flip(-1).unfold(-1, L, 1)  # (..., L, L, L): window w of row i = flipped columns w..w+L-1
+    return windows.diagonal(dim1=-3, dim2=-2).transpose(-1, -2).flip(-1)  # (..., L, L)
+
+
+def _rel_shift_pad_twice(scores):
+    """The trick written with two F.pad calls and explicit views, as some Conformer code does."""
+    *batch, L, width = scores.shape
+    padded = F.pad(scores, (1, 0)).view(*batch, 2 * L, L)  # (..., 2L, L)
+    shifted = padded[..., 1:, :].contiguous().view(*batch, L, width)  # (..., L, 2L-1)
+    return F.pad(shifted[..., :L], (0, 0))  # (..., L, L)
 
 
 def _conv_module_zero_after_glu_by_multiply(x, keep, w):
@@ -74,9 +77,8 @@ def _stream_frame_by_frame(chunk, cache, w):
 
 
 OTHER_CORRECT = [
-    ("10.rel_shift", _rel_shift_gather),
-    ("10.rel_shift", _rel_shift_loop),
-    ("10.rel_shift", _rel_shift_unfold),
+    ("10.rel_shift", _rel_shift_unfold_diagonal),
+    ("10.rel_shift", _rel_shift_pad_twice),
     ("10.conv_module", _conv_module_zero_after_glu_by_multiply),
     ("10.streaming_conv", _stream_frame_by_frame),
 ]
@@ -128,6 +130,19 @@ def test_rel_shift_largest_intermediate_solution_vs_selection_tensor():
         size = case.args[0].numel()
         assert ours.probe["largest_numel"] <= 1.1 * size  # the (..., L, 2L) padded copy
         assert naive.probe["largest_numel"] >= 16 * size  # (L, L, 2L-1) and the product before the sum
+
+
+def test_rel_shift_rejects_index_tensors_and_loops_but_not_other_views():
+    """The task is the Transformer-XL shift: the lesson's direct indexing and a row loop lose the "re-cuts" check only."""
+    task = TASKS["10.rel_shift"]
+    title = "re-cuts the memory of scores: no index tensor, gather or loop over positions"
+    for name in ("gather with an (L, L) index", "rows indexed with their columns", "a Python loop over the rows"):
+        result = grade_function(task, task.wrong[name].fn)
+        failed = [c.name for c in result.checks if not c.passed]
+        assert failed == [title], (name, result.report())
+    for fn in (_rel_shift_unfold_diagonal, _rel_shift_pad_twice, *task.accepted.values()):
+        (outcome, *_) = run_cases(fn, task.make_cases()[3:4], measure=task.measure)
+        assert outcome.probe["op_count"] <= 10, (fn, outcome.probe)  # well inside the limit of 20
 
 
 # --- 10.conv_module --------------------------------------------------------------------------

@@ -59,6 +59,16 @@ def test_flops_count_matrix_products_exactly_and_every_other_op_by_its_largest_t
     assert probe_call(lambda: x.cumsum(0))["flops"] == 240  # cumsum: FlopCounterMode alone would say 0
 
 
+def test_ops_counts_every_aten_op_and_names_the_distinct_ones():
+    x, index = torch.randn(6, 5), torch.tensor([[0, 1], [2, 3]])
+    found = probe_call(lambda: x.t().exp().sum(), measure=("ops",))
+    assert (found["op_count"], found["op_names"]) == (3, ["aten.exp", "aten.sum", "aten.t"])  # views count too
+    assert "aten.gather" in probe_call(lambda: x.gather(1, index.repeat(3, 1)), measure=("ops",))["op_names"]
+    loop = lambda n: probe_call(lambda: [x[i].exp() for i in range(n)], measure=("ops",))["op_count"]
+    assert loop(6) - loop(3) == 6  # a Python loop over rows: two ops (select, exp) per row
+    assert "op_count" not in probe_call(lambda: x.exp(), measure=("largest",))  # only when asked for
+
+
 def test_measure_names_are_checked():
     with pytest.raises(ValueError, match="unknown measure"):
         Probe(measure=("largest", "memory"))

@@ -37,6 +37,11 @@ What is measured (keys of ``outcome.probe``)
     alone counts 0 for an algorithm made of ``cumsum`` and products, which is exactly the form
     linear attention's prefix sums take; this count sees it. It is an estimate for comparing
     algorithms ("within a factor of the intended one"), not a hardware figure.
+``op_count``, ``op_names`` (``measure=("ops",)``)
+    How many aten ops ran during the call (views included) and the sorted names of the distinct
+    ops (``["aten.constant_pad_nd", "aten.slice", "aten.view"]``). For telling algorithms of one
+    result apart by their form: an index tensor shows as ``aten.gather`` or ``aten.index``, and a
+    Python loop over positions as an op count that grows with the length.
 ``forbidden_calls`` (``forbidden=(...)``)
     The declared names of the forbidden implementations the call reached (for an aten
     pattern, the op's own name), in the order first met (a list of str, empty when none).
@@ -107,7 +112,7 @@ __all__ = [
     "delegation_message",
 ]
 
-MEASURES = ("largest", "flops", "widest")
+MEASURES = ("largest", "flops", "widest", "ops")
 
 # PyTorch's fused attention kernels at the aten level: whatever Python route reached them.
 FUSED_ATTENTION = (
@@ -411,6 +416,8 @@ class Probe:
         self.widest = 0
         self.widest_shape = ""
         self.widest_op = ""
+        self.op_count = 0
+        self.op_names: set[str] = set()
         self.calls: list[str] = []
         self.errors: list[str] = []
         self._mode: _Recorder | None = None
@@ -454,6 +461,9 @@ class Probe:
                     self._record_call(op_name)  # the op itself, which says more than the pattern
         if not self.measure:
             return
+        if "ops" in self.measure:
+            self.op_count += 1
+            self.op_names.add(str(func._overloadpacket))
         inputs = _tensors(args) + _tensors(kwargs.values())
         outputs = _tensors((out,))
         if "largest" in self.measure:
@@ -511,6 +521,8 @@ class Probe:
             found["flops"] = self.flops
         if "widest" in self.measure:
             found.update(widest_reduction=self.widest, widest_shape=self.widest_shape, widest_op=self.widest_op)
+        if "ops" in self.measure:
+            found.update(op_count=self.op_count, op_names=sorted(self.op_names))
         if self.forbidden:
             found["forbidden_calls"] = list(self.calls)
         if self.errors:

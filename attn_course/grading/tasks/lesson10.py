@@ -27,6 +27,19 @@ __all__ = ["REL_SHIFT", "CONV_MODULE", "STREAMING_CONV"]
 # (column c of the input holds offset L-1-c; the output is indexed by key j, offset i - j).
 
 _REL_SHIFT_FORBIDDEN = ("attn_course.positional.rel_shift",)
+# The task is the Transformer-XL shift itself: re-cut the memory of `scores` (pad, reshape, slice, or
+# any other views), not an index tensor or a loop over positions, which the lesson's direct
+# indexing already is. An index tensor shows as one of these ops (probe measure "ops"):
+_REL_SHIFT_INDEX_OPS = frozenset({
+    "aten.gather", "aten.index", "aten.index_select", "aten.take", "aten.take_along_dim", "aten.index_put",
+    "aten.index_put_", "aten._index_put_impl_", "aten.scatter", "aten.scatter_", "aten.masked_select",
+    "aten.embedding",
+})
+# and a loop over rows, columns or diagonals as ops that grow with L. Measured on the two long cases
+# (L = 48 and 32): the pad trick runs 5 aten ops, a zero column with torch.cat 6, as_strided 1, unfold
+# and diagonal 5; a loop over the rows with torch.stack runs 2L + 1 (97 and 65). A limit of 20 leaves
+# room for a longer way of writing the trick and is below L on both cases.
+_REL_SHIFT_MAX_OPS = 20
 # A shift keeps its intermediates about the size of `scores`: the Transformer-XL trick pads one
 # column ((..., L, 2L): measured 4,608 and 4,096 elements on the two long cases, 1.01x the input),
 # a gather or a loop makes only the (..., L, L) output. A one-hot selection tensor (L, L, 2L-1) is
@@ -75,11 +88,14 @@ def _shift_first_columns(scores):
 
 
 def _shift_sign_flipped(scores):
-    return _pick(scores, lambda i, j, L: L - 1 + i - j)  # offset j - i instead of i - j
+    return _rel_shift_reference(scores.flip(-1))  # offset j - i instead of i - j: out[i, j] = scores[i, L-1+i-j]
 
 
 def _shift_by_row(scores):
-    return _pick(scores, lambda i, j, L: i + j)  # shifted by i instead of L - 1 - i
+    """Shifted by i instead of L - 1 - i: out[i, j] = scores[i, i + j], a strided view (no index)."""
+    scores = scores.contiguous()
+    *batch_strides, row, _ = scores.stride()
+    return scores.as_strided((*scores.shape[:-1], scores.shape[-2]), (*batch_strides, row + 1, 1))  # (..., L, L)
 
 
 def _shift_last_columns(scores):
@@ -106,13 +122,44 @@ def _shift_selection_tensor(scores):
     return torch.einsum("...ic,ijc->...ij", scores, select)  # (..., L, L)
 
 
-def _shift_float32_loop(scores):
-    """Right values in the wrong dtype: the output allocated with torch.zeros' default float32."""
+def _shift_float32(scores):
+    """Right values in the wrong dtype: the shift written into torch.zeros' default float32."""
+    out = torch.zeros(*scores.shape[:-1], scores.shape[-2])  # float32, whatever the input
+    return out.copy_(_rel_shift_reference(scores))
+
+
+def _shift_gather(scores):
+    """Right values, not the task's algorithm: gather with an (L, L) index of columns."""
+    return _pick(scores, lambda i, j, L: L - 1 - i + j)
+
+
+def _shift_advanced_index(scores):
+    """Right values, not the task's algorithm: index every row with its own columns (aten.index)."""
     L = scores.shape[-2]
-    out = torch.zeros(*scores.shape[:-1], L)  # float32, whatever the input
-    for i in range(L):
-        out[..., i, :] = scores[..., i, L - 1 - i : 2 * L - 1 - i]
-    return out
+    column = (L - 1) - torch.arange(L)[:, None] + torch.arange(L)[None, :]  # (L, L): column of offset i - j
+    return scores[..., torch.arange(L)[:, None], column]  # (..., L, L)
+
+
+def _shift_row_loop(scores):
+    """Right values, not the task's algorithm: a Python loop slicing one row at a time."""
+    L = scores.shape[-2]
+    return torch.stack([scores[..., i, L - 1 - i : 2 * L - 1 - i] for i in range(L)], dim=-2)  # (..., L, L)
+
+
+def _shift_zero_column_cat(scores):
+    """Correct: Transformer-XL's own spelling, the zero column joined with torch.cat and the rows re-cut with view."""
+    *batch, L, width = scores.shape
+    padded = torch.cat((scores.new_zeros(*batch, L, 1), scores), dim=-1).view(*batch, 2 * L, L)  # (..., 2L, L)
+    return padded[..., 1:, :].reshape(*batch, L, width)[..., :L]  # (..., L, L)
+
+
+def _shift_strided_view(scores):
+    """Correct: out[i, j] sits at flat position L - 1 + i (2L - 2) + j of a row-major scores, so one strided view."""
+    scores = scores.contiguous()
+    *batch_strides, row, _ = scores.stride()
+    L = scores.shape[-2]
+    return scores.as_strided((*scores.shape[:-1], L), (*batch_strides, row - 1, 1),
+                             storage_offset=scores.storage_offset() + L - 1)  # (..., L, L)
 
 
 def _shift_calls_the_library(scores):
@@ -151,6 +198,31 @@ def _diagnose_shift(got, scores) -> str:
     return "out[..., i, j] must be scores[..., i, L - 1 - i + j]."
 
 
+def _expect_memory_recut(outcome, L: int, *, what: str) -> None:
+    """Fail when the call used an index op, or ran as many aten ops as a loop over L positions (measure "ops")."""
+    probe = outcome.probe if isinstance(outcome.probe, dict) else {}
+    names, count = probe.get("op_names"), probe.get("op_count")
+    if not isinstance(names, list) or isinstance(count, bool) or not isinstance(count, int):
+        reason = probe.get("probe_error")
+        raise Fail(f"{what}: the grader could not see which PyTorch ops your function ran"
+                   + (f" ({reason})" if isinstance(reason, str) else "")
+                   + ". Run it again without changing the profiler or dispatch modes.")
+    used = sorted(str(name) for name in names if name in _REL_SHIFT_INDEX_OPS)
+    if used:
+        raise Fail(
+            f"{what}: your function picks entries with an index tensor ({', '.join(used)}). That is the slow, direct "
+            "way lesson 10 checks the shift with; this task is the Transformer-XL shift, which moves no entry "
+            "by index: a zero column in front, then the same numbers re-cut into rows of another length (work out "
+            "which on L = 3, each entry labelled by its column)."
+        )
+    if count > _REL_SHIFT_MAX_OPS:
+        raise Fail(
+            f"{what}: your function ran {count} PyTorch ops on L = {L} rows (this check allows {_REL_SHIFT_MAX_OPS}): "
+            "a loop over positions (rows, columns or diagonals) grows with L. The Transformer-XL shift does every "
+            "row at once with a few ops: a zero column in front, then reshapes and slices."
+        )
+
+
 def _judge_rel_shift(cases, outcomes):
     checklist = Checklist()
     with checklist.check("returns (..., L, L) in the input's dtype"):
@@ -171,6 +243,13 @@ def _judge_rel_shift(cases, outcomes):
                 expect_shape(got, expected.shape, what=case.name)
                 if not torch.equal(got.double(), expected):
                     raise Fail(f"{case.name}: {_diagnose_shift(got, scores)}")
+    with checklist.check("re-cuts the memory of scores: no index tensor, gather or loop over positions"):
+        for index in (3, 4):
+            case, outcome = cases[index], outcomes[index]
+            (scores,) = case.args
+            L = scores.shape[-2]
+            returned(outcome, what=case.name)  # an error or a stub is reported first
+            _expect_memory_recut(outcome, L, what=case.name)
     with checklist.check("keeps its intermediates about the size of scores"):
         for index in (3, 4):
             case, outcome = cases[index], outcomes[index]
@@ -180,8 +259,7 @@ def _judge_rel_shift(cases, outcomes):
             expect_largest_below(
                 outcome, _REL_SHIFT_LARGEST_FACTOR * scores.numel(), what=case.name,
                 constraint=f"the shift only moves entries of scores ({scores.numel():,} of them); a selection tensor "
-                f"of shape (L, L, 2L-1) = ({L}, {L}, {2 * L - 1}) grows like L^3. Pad, reshape and slice "
-                "(or gather with an (L, L) index) instead.",
+                f"of shape (L, L, 2L-1) = ({L}, {L}, {2 * L - 1}) grows like L^3. Pad, reshape and slice instead.",
             )
     with checklist.check("leaves scores unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
@@ -204,12 +282,18 @@ REL_SHIFT = Task(
         "zero column padded at the end": Wrong(_shift_pad_right, "goes in front"),
         "(2L, L) view: last row dropped instead of the first": Wrong(_shift_wrong_rows_kept, "Off by one row"),
         "one-hot (L, L, 2L-1) selection tensor": Wrong(_shift_selection_tensor, "grows like L^3", kind="algorithm"),
+        "gather with an (L, L) index": Wrong(_shift_gather, "with an index tensor (aten.gather)", kind="algorithm"),
+        "rows indexed with their columns": Wrong(_shift_advanced_index, "with an index tensor (aten.index)", kind="algorithm"),
+        "a Python loop over the rows": Wrong(_shift_row_loop, "a loop over positions", kind="algorithm"),
         "calls attn_course's rel_shift": Wrong(_shift_calls_the_library, "you called", kind="algorithm"),
-        "float32 output for float64 scores": Wrong(_shift_float32_loop, "has dtype torch.float32, expected torch.float64", kind="contract"),
+        "float32 output for float64 scores": Wrong(_shift_float32, "has dtype torch.float32, expected torch.float64", kind="contract"),
     },
-    measure=("largest",),
+    measure=("largest", "ops"),
     forbidden=_REL_SHIFT_FORBIDDEN,
-    accepted={},
+    accepted={
+        "a zero column joined with torch.cat, rows re-cut with view": _shift_zero_column_cat,
+        "one strided view (as_strided)": _shift_strided_view,
+    },
 )
 
 
