@@ -194,3 +194,41 @@ def test_a_value_mismatch_says_how_far_how_much_is_allowed_and_that_it_looks_lik
 
     index, row = re.search(r"at index \(([\d, ]+)\) \(row \(([\d, ]+)\)", feedback).groups()
     assert index.split(", ")[:-1] == row.split(", ")  # the row is the index's own
+
+
+def test_a_float64_answer_off_by_an_eps_is_not_told_it_ran_in_float32():
+    """Every step in float64, one eps added: as small an error as float32's, but the hint must not say float32 did it."""
+    import torch
+
+    from attn_course.grading import TASKS, grade_function
+
+    def attention_with_an_eps(q, k, v):
+        weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)  # (..., L, S)
+        return weights @ v / (1 + 1e-6)
+
+    feedback = grade_function(TASKS["01.attention"], attention_with_an_eps).feedback
+    assert "Largest error" in feedback
+    assert "float32 rounding" not in feedback and "every value you return is a float32 number" not in feedback
+    assert "a small constant (an eps) added or left out" in feedback
+
+
+def test_nan_entries_are_counted_not_left_out_of_the_error():
+    """A learner saw "Largest error 4.44e-16 absolute" for an answer whose empty rows were NaN."""
+    import pytest
+    import torch
+
+    from attn_course.grading.core import Fail
+    from attn_course.grading.judging import expect_close
+
+    expected = torch.zeros(3, 4, dtype=torch.float64)
+    got = expected.clone()
+    got[1] = float("nan")  # one row of 4 NaN where zeros are expected
+    got[0, 0] = 4e-16
+    with pytest.raises(Fail) as failed:
+        expect_close(got, expected, what="output", atol=1e-12, rtol=1e-12)
+    message = str(failed.value)
+    assert "4 entries are NaN or infinite where the expected value is finite" in message, message
+    assert "you return nan" in message
+    with pytest.raises(Fail) as failed:
+        expect_close(torch.full_like(expected, float("inf")), expected, what="output")
+    assert "Every entry is non-finite" in str(failed.value)

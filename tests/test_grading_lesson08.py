@@ -94,6 +94,22 @@ def _nonfinite_list(model, x):
     return bad[0] if bad else None
 
 
+def _nonfinite_one_hook_with_a_name_dict(model, x):
+    names = {module: name for name, module in model.named_modules()}
+    order = []
+
+    def hook(module, args, output):  # one hook function for every module, named through the dict
+        order.append((names[module], bool(torch.isfinite(output).all())))
+
+    handles = [module.register_forward_hook(hook) for module in names]
+    try:
+        model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return next((name for name, finite in order if not finite), None)
+
+
 def _gradient_first_in_a_list(model, x):
     bad, handles = [], []
     for name, module in model.named_modules():
@@ -135,7 +151,7 @@ ALTERNATIVES = {
     "08.attention_entropy": [_entropy_xlogy, _entropy_clamped_copy, _entropy_entr, _entropy_nan_to_num_per_term,
                              _entropy_wider_then_cast],
     "08.qk_norm_attention": [_qk_functional, _qk_manual],
-    "08.first_nonfinite_module": [_nonfinite_raise_at_first, _nonfinite_list],
+    "08.first_nonfinite_module": [_nonfinite_raise_at_first, _nonfinite_list, _nonfinite_one_hook_with_a_name_dict],
     "08.first_nonfinite_gradient": [_gradient_first_in_a_list, _gradient_dict_of_first_reports],
 }
 ALTERNATIVE_CASES = [(task_id, i) for task_id, fns in ALTERNATIVES.items() for i in range(len(fns))]
@@ -155,8 +171,16 @@ def test_first_nonfinite_cases_really_hold_their_bugs():
     """Each culprit is where the case says; the judge's hints rely on it."""
     from attn_course.grading.tasks.lesson08 import _first_nonfinite_reference
 
-    answers = [_first_nonfinite_reference(*case.args) for case in TASKS["08.first_nonfinite_module"].make_cases()]
-    assert answers == ["1", "blocks.1.mlp.0", "1", "early", None]
+    from attn_course.diagnostics import find_nonfinite
+
+    cases = TASKS["08.first_nonfinite_module"].make_cases()
+    answers = [_first_nonfinite_reference(*case.args) for case in cases]
+    assert answers == ["1", "blocks.1.mlp.0", "1", "early", None, "", "1", ""]
+    for case in cases:  # every culprit is a module's OUTPUT, not plain code between modules
+        with find_nonfinite(case.args[0]) as tracker:
+            case.args[0](case.args[1])
+        assert tracker.first is None or tracker.first.phase == "forward", case.name
+        assert not case.args[0]._forward_hooks and all(not m._forward_hooks for m in case.args[0].modules())
 
 
 def test_gradient_cases_are_finite_forward_and_hold_their_bugs():
@@ -213,3 +237,130 @@ def test_checking_grad_output_is_not_told_it_kept_the_last_module():
     assert "ARRIVING" in feedback and "LAST module" not in feedback
     last = grade_function(task, task.wrong["returns the last module to report"].fn).feedback
     assert "LAST module" in last and "ARRIVING" not in last
+
+
+# --- issue 19: hints that are true, hooks that are removed, culprits that are not leaves --------
+
+
+def _entropy_eps_on_every_weight(weights):
+    wide = weights.to(torch.promote_types(weights.dtype, torch.float32))
+    return -((wide + 1e-12) * torch.log(wide + 1e-12)).sum(-1).to(weights.dtype)
+
+
+def _qk_plus_eps(eps):
+    def qk(q, k, v, scale):
+        q = q / (q.norm(dim=-1, keepdim=True) + eps)
+        k = k / (k.norm(dim=-1, keepdim=True) + eps)
+        return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+    return qk
+
+
+@pytest.mark.parametrize("task_id,fn,cause", [
+    ("08.attention_entropy", _entropy_eps_on_every_weight, "You added 1e-12 to every weight before the log"),
+    ("08.qk_norm_attention", _qk_plus_eps(1e-6), "You divided by the length plus 1e-06"),
+    ("08.qk_norm_attention", _qk_plus_eps(1e-8), "You divided by the length plus 1e-08"),
+])
+def test_an_eps_is_not_called_float32_rounding(task_id, fn, cause):
+    """All-float64 code off by an eps was told "An error this size is float32 rounding ... keep every step in float64"."""
+    result = grade_function(TASKS[task_id], fn)
+    assert result.score < result.max_score
+    assert cause in result.feedback, result.report()
+    assert "float32" not in result.feedback.replace("float32 weights", ""), result.report()
+
+
+def test_float32_computation_is_said_once_per_message_and_only_when_true():
+    def entropy_in_float32(weights):
+        wide = weights.float()
+        return -torch.special.xlogy(wide, wide).sum(-1).to(weights.dtype)
+
+    def qk_in_float32(q, k, v, scale):
+        return _qk_functional(q.float(), k.float(), v.float(), scale).to(q.dtype)
+
+    for task_id, fn in (("08.attention_entropy", entropy_in_float32), ("08.qk_norm_attention", qk_in_float32)):
+        result = grade_function(TASKS[task_id], fn)
+        failed = [c.message for c in result.checks if not c.passed]
+        assert failed, result.report()
+        for message in failed:
+            assert message.count("float32 number cast to float64") == 1, message
+            assert "float32 rounding" not in message, message
+
+
+def _first_nonfinite_never_removing_hooks(model, x):
+    found = []
+    for name, module in model.named_modules():
+        module.register_forward_hook(
+            lambda module, args, output, name=name: found.append(name) if not torch.isfinite(output).all() else None
+        )
+    model(x)
+    return found[0] if found else None
+
+
+def test_hooks_left_behind_cost_a_mark_in_both_hook_tasks():
+    """ "Remove your hooks afterwards" was never checked: three calls left three hooks on every module."""
+    result = grade_function(TASKS["08.first_nonfinite_module"], _first_nonfinite_never_removing_hooks)
+    failed = {c.name: c.message for c in result.checks if not c.passed}
+    assert list(failed) == ["removes its hooks: none are left on the model after the call"], result.report()
+    assert "forward hook" in next(iter(failed.values()))
+    task = TASKS["08.first_nonfinite_gradient"]
+    result = grade_function(task, task.wrong["never removes its hooks"].fn)
+    assert [c.name for c in result.checks if not c.passed] == ["removes its hooks: none are left on the model after the call"]
+    assert "backward hook" in result.feedback
+
+
+def test_the_hook_check_reads_the_batch_graders_record_too():
+    """In the batch grader the model comes back as a record of its hooks, and the verdict is the same."""
+    from attn_course.grading import Outcome, run_cases
+
+    task = TASKS["08.first_nonfinite_module"]
+    for fn in (task.reference, _first_nonfinite_never_removing_hooks):
+        cases = task.make_cases()
+        outcomes = run_cases(fn, cases)
+        plain = [Outcome.from_plain(o.to_plain()) for o in outcomes]
+        assert isinstance(plain[0].args_after[0], dict) and "hooks" in plain[0].args_after[0]
+        direct, again = task.judge(task.make_cases(), outcomes), task.judge(task.make_cases(), plain)
+        assert [(c.passed, c.message) for c in direct] == [(c.passed, c.message) for c in again]
+
+
+class _Root(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+
+    def forward(self, x):
+        return self.block(self.lin(x)) * float("inf")  # the root makes the inf itself
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.log(self.a(x) - 100)  # the container's own op makes the NaN
+
+
+def test_skipping_the_model_or_hooking_only_leaves_is_rejected():
+    """Both scored full marks: no case had the bad value made by a container's or the model's own forward."""
+    from attn_course.grading.tasks.lesson08 import _first_nonfinite_written_out
+
+    x = torch.randn(3, 4)
+    assert _first_nonfinite_written_out(_Root(), x) == ""
+    assert _first_nonfinite_written_out(torch.nn.Sequential(torch.nn.Linear(4, 4), _Block(), torch.nn.Linear(4, 2)), x) == "1"
+    task = TASKS["08.first_nonfinite_module"]
+    leaves = grade_function(task, task.wrong["hooks on the leaf modules only"].fn)
+    skips = grade_function(task, task.wrong['skips the model itself (name "")'].fn)
+    assert leaves.score < leaves.max_score and "You watched only the leaf modules" in leaves.feedback
+    assert skips.score < skips.max_score and "The model is a module too" in skips.feedback
+    assert "leaf" not in skips.feedback
+
+
+def test_the_gradient_statement_asks_nothing_the_grader_does_not_check():
+    """Task 4 used to require silencing a warning that no check looks at."""
+    import json
+    from pathlib import Path
+
+    solution = json.loads(Path(__file__).parents[1].joinpath("solutions/08_training_and_debugging.ipynb").read_text())
+    statement = next("".join(c["source"]) for c in solution["cells"] if "(`08.first_nonfinite_gradient`)" in "".join(c["source"]))
+    assert "silence that warning" not in statement

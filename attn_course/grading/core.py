@@ -43,6 +43,7 @@ __all__ = [
     "KINDS",
     "Fail",
     "run_cases",
+    "module_hooks",
     "grade_function",
 ]
 
@@ -75,7 +76,7 @@ class Outcome:
         return {
             "returned": _plain(self.returned),
             "error": self.error,
-            "args_after": _plain(list(self.args_after)),
+            "args_after": [_plain_argument(a) for a in self.args_after],
             "not_implemented": self.not_implemented,
             "probe": _plain_probe(self.probe),
         }
@@ -118,6 +119,26 @@ def _plain(value: Any) -> Any:
         return torch.as_tensor(value)
     except Exception:
         return f"<unsupported return value of type {type(value).__name__}>"
+
+
+def module_hooks(module: torch.nn.Module) -> dict[str, list[int]]:
+    """The hooks registered on ``module`` and its submodules: ``{qualified name: [forward_pre, forward,
+    backward_pre, backward]}`` counts, for the modules that have any (a judge checks a learner removed them)."""
+    counts = {}
+    for name, sub in module.named_modules():
+        row = [len(sub._forward_pre_hooks), len(sub._forward_hooks), len(sub._backward_pre_hooks),
+               len(sub._backward_hooks)]
+        if any(row):
+            counts[name] = row
+    return counts
+
+
+def _plain_argument(value: Any) -> Any:
+    """An argument after the call, as ``_plain`` saves it; a module (which cannot be saved) becomes the
+    record of the hooks left on it, ``{"module": class name, "hooks": module_hooks(...)}``."""
+    if isinstance(value, torch.nn.Module):
+        return {"module": type(value).__name__, "hooks": module_hooks(value)}
+    return _plain(value)
 
 
 _PROBE_SCALARS = (bool, int, float, str)

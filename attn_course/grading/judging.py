@@ -93,13 +93,16 @@ def expect_finite(t: torch.Tensor, *, what: str, hint: str = "") -> None:
 
 def expect_close(
     got: torch.Tensor, expected: torch.Tensor, *, what: str, atol: float = 1e-6, rtol: float = 1e-5, hint="",
+    float32_hint: bool = True,
 ) -> None:
     """Fail saying how far ``got`` is from ``expected`` and how far is allowed.
 
     The message gives the largest absolute and relative errors, the tolerance
     (``|got - expected| <= atol + rtol * |expected|``), the entry that breaks it by the most with its
     row (the index without its last axis, the same row the values are printed from), and, when a
-    float64 answer is off by about float32's rounding, that it was probably computed in float32.
+    float64 answer is off by about float32's rounding, what can cause it: float32 computation when every
+    returned value is a float32 number, else a float32 step or an added ``eps`` (``float32_hint=False``
+    for a judge that tells the causes apart itself).
     """
     expect_shape(got, expected.shape, what=what)
     got64, exp64 = got.detach().to(torch.float64), expected.detach().to(torch.float64)
@@ -117,17 +120,32 @@ def expect_close(
     if len(worst) >= 2:
         row = worst[:-1]
         where += f" (row {row}: yours {_row_text(got64[row])}, expected {_row_text(exp64[row])})"
+    unmatched = int((~finite).sum())  # NaN or inf where the expected value is finite (or the other way round)
+    if unmatched and not finite.any():
+        size = "Every entry is non-finite where a finite value is expected, or the other way round"
+    elif unmatched:
+        size = (f"{unmatched:,} entries are NaN or infinite where the expected value is finite (or the other way "
+                f"round); among the rest the largest error is {max_abs:.3g} absolute, {max_rel:.3g} relative")
+    else:
+        size = f"Largest error {max_abs:.3g} absolute, {max_rel:.3g} relative"
     message = (
         f"{what} is wrong: {where} you return {got64[worst].item():.10g}, expected {exp64[worst].item():.10g}. "
-        f"Largest error {max_abs:.3g} absolute, {max_rel:.3g} relative; allowed: |yours - expected| <= "
-        f"{atol:g} + {rtol:g} * |expected|."
+        f"{size}; allowed: |yours - expected| <= {atol:g} + {rtol:g} * |expected|."
     )
-    if expected.dtype == torch.float64 and got.dtype == torch.float64 and finite.all() and 0 < max_rel < 1e-4:
+    float64 = expected.dtype == torch.float64 and got.dtype == torch.float64
+    if float32_hint and float64 and finite.all() and 0 < max_rel < 1e-4:
         scale = exp64.abs().max().clamp_min(1e-300)
         if float(error.max() / scale) < 2e-6:  # a few float32 ulps of the largest value, not a wrong formula
-            message += (" An error this size is float32 rounding (about 1e-7 relative): the inputs are float64, so "
-                        "keep every step in float64 (no .float(), no torch.tensor(..., dtype=torch.float32), no "
-                        "float32 constants from torch.zeros without dtype=).")
+            if torch.equal(got64, got64.to(torch.float32).to(torch.float64)):  # every value a float32 number
+                message += (" An error this size is float32 rounding (about 1e-7 relative): every value you return is "
+                            "a float32 number, but the inputs are float64, so keep every step in float64 (no "
+                            ".float(), no torch.tensor(..., dtype=torch.float32), no float32 constants from "
+                            "torch.zeros without dtype=).")
+            else:  # as small as float32 rounding, but not float32 numbers: a float32 step, or an eps
+                message += (" An error this small (about float32's rounding, 1e-7 relative) comes from a small "
+                            "difference in the computation, such as a step done in float32 or a small constant (an "
+                            "eps) added or left out: the inputs are float64, so keep every step in float64 and use "
+                            "exactly the constants the task gives.")
     raise Fail(message + (f" {hint}" if hint else ""))
 
 

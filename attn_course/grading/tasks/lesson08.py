@@ -13,11 +13,30 @@ import torch.nn.functional as F
 from ...attention import scaled_dot_product_attention, stable_softmax
 from ...diagnostics import attention_entropy, find_nonfinite
 from ...masks import causal_mask
-from ..core import Case, Fail, Task, Wrong
+from ..core import Case, Fail, Outcome, Task, Wrong, module_hooks
 from ..judging import NOT_IMPLEMENTED, Checklist, expect_close, expect_dtype, expect_inputs_unchanged, expect_shape
-from ._common import answered, first_match, returned, seeded_randn, softmax_over_queries
+from ._common import answered, first_match, returned, same, seeded_randn, softmax_over_queries
 
 __all__ = ["ATTENTION_ENTROPY", "QK_NORM_ATTENTION", "FIRST_NONFINITE_MODULE", "FIRST_NONFINITE_GRADIENT"]
+
+
+def _computed_in_float32(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether a float64 answer was computed in float32 and cast back: every value is a float32 number.
+
+    Said only when true (issue 19): an error of float32's size can also come from an ``eps`` (a
+    ``+ 1e-6`` on a length, a ``+ 1e-12`` inside a log), which this test does not mistake for float32.
+    """
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or not torch.isfinite(got).all():
+        return False
+    got64, expected64 = got.detach().double(), expected.detach().double()
+    as_float32 = lambda t: torch.equal(t, t.float().double())  # noqa: E731
+    return as_float32(got64) and not as_float32(expected64) and not torch.equal(got64, expected64)
+
+
+_FLOAT32_MESSAGE = (
+    "Every value you return is a float32 number cast to float64: the computation ran in float32 (e.g. a .float() "
+    "on the way). Keep float64 inputs in float64"
+)
 
 
 # --- 08.attention_entropy ------------------------------------------------------------------
@@ -111,6 +130,20 @@ def _added_constant(got: torch.Tensor, weights: torch.Tensor) -> float | None:
     return eps.mean().item()
 
 
+_EPS_GUESSES = (1e-12, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3)  # the constants people add
+
+
+def _added_to_weights(got: torch.Tensor, weights: torch.Tensor) -> float | None:
+    """The ``eps`` of ``-((w + eps) * log(w + eps)).sum(-1)`` if ``got`` is that (float64 weights), else None."""
+    if weights.dtype != torch.float64 or not isinstance(got, torch.Tensor) or got.shape != weights.shape[:-1]:
+        return None
+    for eps in _EPS_GUESSES:
+        shifted = weights + eps
+        if same(got, -(shifted * torch.log(shifted)).sum(-1), atol=1e-14, rtol=1e-12):
+            return eps
+    return None
+
+
 def _diagnose_entropy(got: torch.Tensor, weights: torch.Tensor) -> str | None:
     expected = attention_entropy(weights)  # (..., L)
     S = weights.shape[-1]
@@ -138,13 +171,16 @@ def _diagnose_entropy(got: torch.Tensor, weights: torch.Tensor) -> str | None:
             "entropy by about that much per key, and in float16 it is no fix at all (1e-9 rounds to 0 there, and "
             "0 * log 0 is NaN again). A zero weight must add exactly 0, and leave every other term as it is."
         )
-    if weights.dtype == torch.float64 and first_match(
-        got, [(lambda: attention_entropy(weights.float()).double(), "float32")], atol=1e-6, rtol=0.0
-    ):
+    eps = _added_to_weights(got, weights)
+    if eps is not None:
         return (
-            "Your result is off by float32 rounding (about 1e-7): keep float64 weights in float64. Half precision "
-            "may be computed in float32 and cast back, but never narrow the input's dtype."
+            f"You added {eps:g} to every weight before the log, (w + eps) log(w + eps): that changes every term "
+            "(a zero weight adds -eps log eps > 0 instead of exactly 0, the others move by about eps (log w + 1)). "
+            "A zero weight must add exactly 0, and leave every other term as it is."
         )
+    if weights.dtype == torch.float64 and _computed_in_float32(got, expected):
+        return (_FLOAT32_MESSAGE + ". Half precision may be computed in float32 and cast back, but never narrow "
+                "the input's dtype.")
     return None
 
 
@@ -189,7 +225,7 @@ def _judge_entropy(cases, outcomes):
                     raise Fail(_nan_message(case, weights, fudged=fudged))
                 expected = attention_entropy(weights.double())  # the exact entropy of the weights as given
                 expect_close(got.double(), expected, what=case.name, hint=lambda: _diagnose_entropy(got, weights) or "",
-                             **_entropy_tolerance(weights, expected))
+                             float32_hint=False, **_entropy_tolerance(weights, expected))
     with checklist.check("leaves the weights unchanged"):
         for case, outcome, _ in answered(cases, outcomes):
             expect_inputs_unchanged(case, outcome, what=case.name)
@@ -216,6 +252,17 @@ def _entropy_nan_on_zeros(weights):
 
 def _entropy_article_per_row(weights):
     return -(weights * torch.log(weights + 1e-9)).sum(-1)  # the article's fudge, kept per row
+
+
+def _entropy_eps_on_the_weights(weights):
+    wide = weights.to(torch.promote_types(weights.dtype, torch.float32))  # half precision in float32: no NaN there
+    return -((wide + 1e-6) * torch.log(wide + 1e-6)).sum(-1).to(weights.dtype)
+
+
+def _entropy_float64_in_float32(weights):
+    narrow = weights.float() if weights.dtype == torch.float64 else weights  # float64 narrowed to float32
+    safe = torch.where(narrow > 0, narrow, torch.ones_like(narrow))
+    return -(narrow * torch.log(safe)).sum(dim=-1).to(weights.dtype)
 
 
 def _entropy_no_minus(weights):
@@ -255,6 +302,10 @@ ATTENTION_ENTROPY = Task(
         "log base 2 (bits)": Wrong(_entropy_bits, "bits"),
         "0 * log 0 gives NaN": Wrong(_entropy_nan_on_zeros, "0 * log(0)"),
         "the article's log(w + 1e-9), per row": Wrong(_entropy_article_per_row, "inside the log"),
+        "(w + 1e-6) log(w + 1e-6)": Wrong(_entropy_eps_on_the_weights, "to every weight before the log"),
+        "float64 computed in float32": Wrong(
+            _entropy_float64_in_float32, "a float32 number cast to float64", kind="contract"
+        ),
         "missing minus sign": Wrong(_entropy_no_minus, "negative"),
         "mean over the keys instead of sum": Wrong(_entropy_mean_over_keys, "averaged over the keys"),
         "sums over the queries (dim=-2)": Wrong(_entropy_over_queries, "summed over the queries"),
@@ -306,9 +357,24 @@ def _qk_reference(q, k, v, scale):
     return scaled_dot_product_attention(_unit(q), _unit(k), v, scale=scale)
 
 
+def _lengthened(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / (|x| + eps)``: the classic ``+ eps`` on the length, which shortens every vector a little."""
+    return x / (x.norm(dim=-1, keepdim=True) + eps)
+
+
 def _diagnose_qk(got, q, k, v, scale) -> str | None:
     D = q.shape[-1]
-    return first_match(
+    for eps in _EPS_GUESSES:
+        if q.dtype == torch.float64 and same(
+            got, scaled_dot_product_attention(_lengthened(q, eps), _lengthened(k, eps), v, scale=scale),
+            atol=1e-13, rtol=1e-11,
+        ):
+            return (
+                f"You divided by the length plus {eps:g}: every vector then comes out a little shorter than 1 "
+                "(|x| / (|x| + eps)), so every score is off, not only a zero vector's. Give the length a floor "
+                "that leaves every length above it exactly as it is."
+            )
+    found = first_match(
         got,
         [
             (lambda: scaled_dot_product_attention(_unit(q), _unit(k), v, scale=scale / math.sqrt(D)),
@@ -332,6 +398,11 @@ def _diagnose_qk(got, q, k, v, scale) -> str | None:
         atol=1e-9,
         rtol=1e-7,
     )
+    if found:
+        return found
+    if q.dtype == torch.float64 and _computed_in_float32(got, _qk_reference(q, k, v, scale)):
+        return _FLOAT32_MESSAGE + "."
+    return None
 
 
 def _judge_qk(cases, outcomes):
@@ -347,7 +418,8 @@ def _judge_qk(cases, outcomes):
             got = returned(outcome, what=case.name)
             expected = _qk_reference(*case.args)
             expect_shape(got, expected.shape, what=case.name)
-            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
+            expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, float32_hint=False,
+                         hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("a zero query vector gives a finite (uniform) row, not NaN"):
         case, outcome = cases[_QK_ZERO], outcomes[_QK_ZERO]
         got = returned(outcome, what=case.name)
@@ -358,7 +430,8 @@ def _judge_qk(cases, outcomes):
                 f"{case.name}: NaN where the query is all zeros. Its length is 0 and 0 / 0 = NaN: a zero vector must stay "
                 "zero, so the length you divide by needs a small floor (as F.normalize has)."
             )
-        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, hint=lambda: _diagnose_qk(got, *case.args) or "")
+        expect_close(got, expected, what=case.name, atol=1e-9, rtol=1e-7, float32_hint=False,
+                     hint=lambda: _diagnose_qk(got, *case.args) or "")
     with checklist.check("works in float32"):
         case, outcome = cases[_QK_FLOAT32], outcomes[_QK_FLOAT32]
         got = returned(outcome, what=case.name)
@@ -397,6 +470,12 @@ def _qk_nan_for_zero(q, k, v, scale):
     return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
 
 
+def _qk_eps_on_the_length(q, k, v, scale):
+    q = q / (q.norm(dim=-1, keepdim=True) + 1e-3)  # no NaN for a zero vector, but every vector a little short
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-3)
+    return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
 def _qk_not_normalised(q, k, v, scale):
     return torch.softmax(scale * (q @ k.transpose(-2, -1)), dim=-1) @ v
 
@@ -421,6 +500,7 @@ QK_NORM_ATTENTION = Task(
         "normalises q only": Wrong(_qk_only_q, "but not k"),
         "NaN for a zero vector": Wrong(_qk_nan_for_zero, "0 / 0 = NaN"),
         "no normalisation": Wrong(_qk_not_normalised, "not normalised at all"),
+        "adds 1e-3 to each length": Wrong(_qk_eps_on_the_length, "a little shorter than 1"),
         "normalises q and k in place": Wrong(_qk_normalises_in_place, "in place", kind="contract"),
     },
 )
@@ -486,6 +566,36 @@ class _DefinedOutOfOrder(nn.Module):
         return self.late(self.early(x))
 
 
+class _OverflowingModel(nn.Module):
+    """Every submodule's output is finite; the model's own forward then overflows float32 (1e30 * 1e30)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.embed(x)) * 1e30 * 1e30  # the model itself makes the inf: its name is ""
+
+
+class _DividedNet(_Net):
+    """The nested model of the other cases, whose own forward ends by dividing by 0 (inf and NaN)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / 0.0
+
+
+class _LogBlock(nn.Module):
+    """A container whose own forward makes the NaN: ``log(inner(x) - 100)``, after ``inner`` returned finite values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.inner(x) - 100.0)
+
+
 def _nonfinite_cases() -> list[Case]:
     with torch.random.fork_rng():  # seeded module initialisation, without touching the caller's RNG
         torch.manual_seed(0)
@@ -513,18 +623,26 @@ def _build_nonfinite_cases() -> list[Case]:
         Case("a model whose submodules run in a different order than they are defined",
              (_DefinedOutOfOrder(), positive)),
         Case("a healthy model (every output finite)", (_Net(), x)),
+        Case("a model whose own forward overflows to inf after every submodule returned finite values",
+             (_OverflowingModel(), x)),
+        Case("nn.Sequential(Linear, a block whose own forward takes a log of negative values, Linear)",
+             (nn.Sequential(nn.Linear(4, 8), _LogBlock(), nn.Linear(8, 2)), x)),
+        Case("a nested model (embed, blocks.0-2, head) whose own forward divides the head's output by 0",
+             (_DividedNet(), x)),
     ]
 
 
-_SEQUENTIAL, _NESTED, _OVERFLOW, _ORDER, _HEALTHY = range(5)
+_SEQUENTIAL, _NESTED, _OVERFLOW, _ORDER, _HEALTHY, _ITSELF, _CONTAINER, _ITSELF_NESTED = range(8)
 
 
 def _first_nonfinite_reference(model, x):
-    """The judge's answer: the library's NaN hunter."""
+    """The judge's answer: the library's NaN hunter (which prints the model itself as "(model)"; its name is "")."""
     with find_nonfinite(model) as tracker:
         model(x)
     event = tracker.first
-    return None if event is None else event.name
+    if event is None:
+        return None
+    return "" if event.name == "(model)" else event.name
 
 
 def _first_nonfinite_written_out(model, x):
@@ -586,7 +704,10 @@ def _forward_predictions(case: Case) -> dict[str, object]:
     names = [name for name, _ in model.named_modules()]
     found = _bad_modules(model, x)
     inputs = [name for name in found["input"] if name != ""]
+    leaves = {name for name, module in model.named_modules() if next(module.children(), None) is None}
     return {
+        "leaves": next((name for name in found["output"] if name in leaves), None),
+        "skip_model": next((name for name in found["output"] if name != ""), None),
         "last": found["output"][-1] if found["output"] else None,
         "isnan": found["nan_output"][0] if found["nan_output"] else None,
         "definition": next((name for name in names if name in found["output"] and name != ""), None),
@@ -610,10 +731,27 @@ def _diagnose_nonfinite(got: object, case: Case, expected: str | None, others=()
 
     if expected is None:
         return f"every output of this model is finite, yet you named {got!r}. Return None when nothing is non-finite."
+    if got == "(model)" and expected == "":
+        return ("the model itself is the culprit, but its name in model.named_modules() is \"\" (find_nonfinite "
+                "prints it as '(model)'): return \"\".")
+    if fits("leaves"):
+        where = "the model itself (name \"\")" if expected == "" else f"{expected!r}, a module with submodules,"
+        return (
+            f"you named {got!r}, but {where} made the bad value in its own forward, after its submodules returned "
+            "finite outputs. You watched only the leaf modules (those without children): a container's or the "
+            "model's own code can make a NaN/inf too, so watch every module that model.named_modules() lists."
+        )
+    if expected == "" and fits("skip_model"):
+        return (
+            f"{'you found nothing' if got is None else f'you named {got!r}'}, but the model itself (its name in "
+            "model.named_modules() is \"\") made the inf in its own forward, after every submodule returned finite "
+            "values. The model is a module too: watch it as well, and return \"\" when it is the first to report."
+        )
     if got is None:
         story = (" The parameters here are all finite: it is the activations that go bad, so it is each module's "
                  "OUTPUT that must be checked." if fits("nothing") else "")
-        return f"you found nothing, but module {expected!r} outputs NaN/inf.{story}"
+        who = 'the model itself (name "")' if expected == "" else f"module {expected!r}"
+        return f"you found nothing, but {who} outputs NaN/inf.{story}"
     if got not in names and got != "(model)":
         return f"{got!r} is not a module name: return a name from model.named_modules(), e.g. {expected!r}."
     container = got in ("", "(model)") or expected.startswith(got + ".")
@@ -645,6 +783,45 @@ def _diagnose_nonfinite(got: object, case: Case, expected: str | None, others=()
     return f"you named {got!r}; the first module whose output holds NaN/inf is {expected!r}."
 
 
+def _hooks_after(outcome: Outcome) -> dict | None:
+    """The hooks left on the model after the call (``module_hooks``), from the model itself or its saved record."""
+    after = outcome.args_after[0] if outcome.args_after else None
+    if isinstance(after, nn.Module):
+        return module_hooks(after)
+    hooks = after.get("hooks") if isinstance(after, dict) else None
+    if isinstance(hooks, dict) and all(isinstance(k, str) and isinstance(v, (list, tuple)) and len(v) == 4
+                                       and all(type(n) is int for n in v) for k, v in hooks.items()):
+        return {k: list(v) for k, v in hooks.items()}
+    return None
+
+
+_HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
+
+
+def _check_hooks_removed(checklist: Checklist, cases, outcomes, registered: str) -> None:
+    """One check: after every call the model holds the hooks it held before (none), so they cannot pile up."""
+    with checklist.check("removes its hooks: none are left on the model after the call"):
+        for case, outcome in zip(cases, outcomes):
+            if outcome.not_implemented:
+                raise Fail(NOT_IMPLEMENTED)
+            before, after = module_hooks(case.args[0]), _hooks_after(outcome)
+            if after is None:
+                raise Fail(f"{case.name}: the grader could not read which hooks were left on the model.")
+            left = {name: [a - b for a, b in zip(counts, before.get(name, [0, 0, 0, 0]))]
+                    for name, counts in after.items()}
+            left = {name: counts for name, counts in left.items() if any(counts)}
+            if left:
+                name, counts = next(iter(left.items()))
+                kind = _HOOK_KINDS[next(i for i, n in enumerate(counts) if n)]
+                where = repr(name) if name else "the model itself"
+                raise Fail(
+                    f"{case.name}: after your function returned, {sum(map(sum, left.values()))} hook(s) were still "
+                    f"registered on the model (e.g. a {kind} on {where}). Every call would add "
+                    f"another set that keeps firing on every later forward pass: keep the handle each {registered} "
+                    "returns and remove it when you are done, also when model(x) raises."
+                )
+
+
 def _judge_nonfinite(cases, outcomes):
     checklist = Checklist()
     expected = [_first_nonfinite_reference(*case.args) for case in cases]
@@ -664,20 +841,25 @@ def _judge_nonfinite(cases, outcomes):
                 raise Fail(
                     f"{case.name}: you returned a {type(got).__name__}; return the module's name (a str) or None."
                 )
-    for title, index in (
-        ("names the culprit in a plain nn.Sequential", _SEQUENTIAL),
-        ("nested model: the innermost module that made the inf, not a container", _NESTED),
-        ("an inf counts, not only a NaN", _OVERFLOW),
-        ("execution order, not definition order", _ORDER),
-        ("a healthy model gives None", _HEALTHY),
+    for title, indices in (
+        ("names the culprit in a plain nn.Sequential", (_SEQUENTIAL,)),
+        ("nested model: the innermost module that made the inf, not a container", (_NESTED,)),
+        ("an inf counts, not only a NaN", (_OVERFLOW,)),
+        ("execution order, not definition order", (_ORDER,)),
+        ("a healthy model gives None", (_HEALTHY,)),
+        ("the model itself is a module too: its name is \"\"", (_ITSELF, _ITSELF_NESTED)),
+        ("a container's own forward can make the bad value, not only the leaf modules", (_CONTAINER,)),
     ):
         with checklist.check(title):
-            got = answer(index)
-            if got != expected[index]:
-                others = [(cases[i], outcomes[i].returned) for i in range(len(cases)) if i != index
-                          and outcomes[i].error is None and not outcomes[i].not_implemented
-                          and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
-                raise Fail(f"{cases[index].name}: {_diagnose_nonfinite(got, cases[index], expected[index], others)}")
+            for index in indices:
+                got = answer(index)
+                if got != expected[index]:
+                    others = [(cases[i], outcomes[i].returned) for i in range(len(cases)) if i != index
+                              and outcomes[i].error is None and not outcomes[i].not_implemented
+                              and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
+                    raise Fail(f"{cases[index].name}: "
+                               f"{_diagnose_nonfinite(got, cases[index], expected[index], others)}")
+    _check_hooks_removed(checklist, cases, outcomes, "register_forward_hook")
     return checklist.results
 
 
@@ -730,6 +912,27 @@ def _nonfinite_definition_order(model, x):
     return next((name for name, _ in model.named_modules() if name in bad and name != ""), None)
 
 
+def _nonfinite_leaves_only(model, x):
+    leaves = {name for name, module in model.named_modules() if next(module.children(), None) is None}
+    bad = [name for name in _record_with_hooks(model, x, test=_nonfinite) if name in leaves]
+    return bad[0] if bad else None
+
+
+def _nonfinite_skips_the_model(model, x):
+    bad = [name for name in _record_with_hooks(model, x, test=_nonfinite) if name != ""]
+    return bad[0] if bad else None
+
+
+def _nonfinite_keeps_its_hooks(model, x):
+    bad = []
+    for name, module in model.named_modules():  # never removed: every call adds one more hook per module
+        module.register_forward_hook(
+            lambda module, args, output, name=name: bad.append(name) if _nonfinite(output) else None
+        )
+    model(x)
+    return bad[0] if bad else None
+
+
 def _nonfinite_checks_parameters(model, x):
     model(x)
     for name, module in model.named_modules():
@@ -751,6 +954,9 @@ FIRST_NONFINITE_MODULE = Task(
         "reports the first bad input": Wrong(_nonfinite_first_bad_input, "INPUT was already bad"),
         "definition order instead of execution order": Wrong(_nonfinite_definition_order, "the first bad module in definition order"),
         "checks the parameters, not the outputs": Wrong(_nonfinite_checks_parameters, "it is the activations that go bad"),
+        "hooks on the leaf modules only": Wrong(_nonfinite_leaves_only, "You watched only the leaf modules"),
+        "skips the model itself (name \"\")": Wrong(_nonfinite_skips_the_model, "The model is a module too"),
+        "never removes its hooks": Wrong(_nonfinite_keeps_its_hooks, "were still registered", kind="contract"),
         "calls attn_course.find_nonfinite": Wrong(
             _nonfinite_delegates, "you called attn_course.find_nonfinite", kind="algorithm"
         ),
@@ -1066,6 +1272,7 @@ def _judge_gradient(cases, outcomes):
                               and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
                     raise Fail(f"{cases[index].name}: "
                                f"{_diagnose_gradient(got, cases[index], expected[index], others)}")
+    _check_hooks_removed(checklist, cases, outcomes, "register_full_backward_hook")
     return checklist.results
 
 
@@ -1117,6 +1324,21 @@ def _gradient_checks_parameters(model, x):
     return None
 
 
+def _gradient_keeps_its_hooks(model, x):
+    bad = []
+
+    def hook(module, grad_input, grad_output, names={m: n for n, m in model.named_modules()}):
+        if any(isinstance(g, torch.Tensor) and _nonfinite(g) for g in grad_input):
+            bad.append(names[module])
+
+    for module in model.modules():  # never removed: every call adds one more hook per module
+        module.register_full_backward_hook(hook)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+        model(x).sum().backward()
+    return bad[0] if bad else None
+
+
 def _gradient_forward_only(model, x):
     bad = _record_with_hooks(model, x, test=_nonfinite)  # forward hooks: every output here is finite
     return bad[0] if bad else None
@@ -1136,6 +1358,7 @@ FIRST_NONFINITE_GRADIENT = Task(
         "checks grad_output instead of grad_input": Wrong(_gradient_checks_grad_output, "ARRIVING"),
         "definition order instead of backward order": Wrong(_gradient_definition_order, "not the first in definition order"),
         "checks the parameters' gradients": Wrong(_gradient_checks_parameters, "parameters got non-finite gradients"),
+        "never removes its hooks": Wrong(_gradient_keeps_its_hooks, "were still registered", kind="contract"),
         "calls attn_course.find_nonfinite": Wrong(
             _gradient_delegates, "you called attn_course.find_nonfinite", kind="algorithm"
         ),
