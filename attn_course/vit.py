@@ -69,8 +69,9 @@ class ViTConfig:
             with ``v > 0`` each token embeds a ``(p + 2v) x (p + 2v)`` window (a conv with
             kernel ``p + 2v``, stride ``p``, zero padding ``v``) and the grid of tokens is
             unchanged: neighbouring tokens share pixels (an overlapping patch embedding in the
-            spirit of PVTv2's, which uses kernel ``2S - 1`` for stride ``S`` with padding
-            ``K // 2``, 7 with stride 4 and 3 with stride 2, then a LayerNorm; Xiao et al. (2021)
+            spirit of PVTv2's, which uses kernel ``K = 2S - 1`` for stride ``S`` with padding
+            ``K // 2``: kernel 7 with stride 4 (padding 3), kernel 3 with stride 2 (padding 1), then
+            a LayerNorm; Xiao et al. (2021)
             show that early convolutions help ViTs on little data).
         position_embedding: ``"learned"`` (a trained ``(N+1, E)`` table, as in the ViT paper) or
             ``"sincos2d"`` (the fixed table of :func:`sincos_positions_2d`, zeros for the class
