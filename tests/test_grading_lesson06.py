@@ -59,6 +59,22 @@ def _causal_rnn(q, k, v):
     return torch.stack(outputs, dim=-2)
 
 
+def _causal_einsum(q, k, v):
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M)
+    kv = torch.einsum("...lm,...ld->...lmd", phi_k, v).cumsum(-3)  # (..., L, M, Dv)
+    num = torch.einsum("...lm,...lmd->...ld", phi_q, kv)  # (..., L, Dv)
+    den = torch.einsum("...lm,...lm->...l", phi_q, phi_k.cumsum(-2))[..., None]  # (..., L, 1)
+    return num / (den + 1e-6)
+
+
+def _causal_matmul(q, k, v):
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M)
+    kv = (phi_k[..., :, :, None] @ v[..., :, None, :]).cumsum(-3)  # (..., L, M, Dv)
+    num = (phi_q[..., :, None, :] @ kv)[..., 0, :]  # (..., L, Dv)
+    den = (phi_q[..., :, None, :] @ phi_k.cumsum(-2)[..., :, :, None])[..., 0, :]  # (..., L, 1)
+    return num / (den + 1e-6)
+
+
 def _causal_chunked_cumsum(q, k, v, chunk=32):
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1  # (..., L, M)
     carry_kv, carry_z, outputs = 0, 0, []
@@ -130,7 +146,8 @@ def _chunkwise_padded_features(q, k, v, chunk_size):
 
 ALTERNATIVES = {
     "06.linear_attention": [_linear_einsum, _linear_key_chunks],
-    "06.causal_linear_attention": [_causal_rnn, _causal_chunked_cumsum, *(_causal_chunks_of(c) for c in (4, 16, 64, 100))],
+    "06.causal_linear_attention": [_causal_rnn, _causal_einsum, _causal_matmul, _causal_chunked_cumsum,
+                                   *(_causal_chunks_of(c) for c in (1, 4, 16, 64, 100, 128))],
     "06.chunkwise_causal_linear_attention": [_chunkwise_ones_column, _chunkwise_padded_features],
 }
 ALTERNATIVE_CASES = [(task_id, i) for task_id, fns in ALTERNATIVES.items() for i in range(len(fns))]
@@ -193,26 +210,35 @@ def _work(task_id, fn, indices):
 
 _HONEST_CAUSAL = {
     "reference": TASKS["06.causal_linear_attention"].reference,
+    "einsum": _causal_einsum,
+    "matmul": _causal_matmul,
     "recurrent": lesson06._causal_recurrent,
-    # Chunks up to half the shortest long case: a chunk nearly as long as the sequence is the quadratic form.
-    **{f"chunkwise, chunks of {c}": _causal_chunks_of(c) for c in (4, 16, 64, 100)},
+    "rnn": _causal_rnn,
+    # Chunks up to the short case's length; 80 and 90 (about L / 1.4) leave the costliest last, partial chunk.
+    **{f"chunkwise, chunks of {c}": _causal_chunks_of(c) for c in (1, 4, 16, 64, 80, 90, 100, 128)},
 }
 _QUADRATIC_CAUSAL = ("causal mask on the quadratic form", "loop that fills an (L, L) matrix row by row",
-                     "prefix sums recomputed from scratch at every position")
+                     "prefix sums recomputed from scratch at every position",
+                     "each chunk of 16 sums its prefix again from position 0",
+                     "each chunk of 64 runs the cumsum again from position 0")
 
 
 @pytest.mark.parametrize("pair", lesson06._GROWTH_PAIRS, ids=["with heads", "no head axis"])
 def test_causal_work_growth_separates_linear_forms_of_any_constant_from_quadratic_ones(pair):
-    """Doubling L: every honest form (prefix sums, recurrent, chunkwise with chunks of 4 to 100, whose work is up to
-    18x the prefix sums') grows 1.9-2.2x, every quadratic one at least 3.9x: well inside and outside GROWTH_BAND."""
+    """8x L: every honest form (prefix sums, recurrent, chunkwise with chunks of 1 to 128, whose work is up to 26x
+    the prefix sums') grows 7.9-9.7x, every quadratic one at least 20x, even each chunk summing its prefix again from
+    position 0, whose L^2 term hides behind a small constant (x2.6-2.8 per doubling at L = 128): well inside and
+    outside GROWTH_BAND, with a margin of 1.2x or more either way."""
     task_id = "06.causal_linear_attention"
     low, high = lesson06.GROWTH_BAND
+    assert all(TASKS[task_id].make_cases()[long_].args[0].shape[-2] == lesson06.GROWTH_SPAN
+               * TASKS[task_id].make_cases()[short].args[0].shape[-2] for short, long_ in lesson06._GROWTH_PAIRS)
     for name, fn in _HONEST_CAUSAL.items():
         short, long_ = _work(task_id, fn, pair)
-        assert low < 1.9 <= long_ / short <= 2.2 < high, name
+        assert 1.2 * low < 7.9 <= long_ / short <= 9.7 < high / 1.2, name
     for name in _QUADRATIC_CAUSAL:
         short, long_ = _work(task_id, TASKS[task_id].wrong[name].fn, pair)
-        assert long_ / short >= 3.9 > high, name
+        assert long_ / short >= 20 > 1.2 * high, name
 
 
 def test_the_causal_work_hint_tells_the_small_tensor_story_only_when_it_is_true():
@@ -225,7 +251,11 @@ def test_the_causal_work_hint_tells_the_small_tensor_story_only_when_it_is_true(
         return next(c for c in grade_function(task, fn).checks if c.name == work_check)
 
     scratch = work_message(task.wrong["prefix sums recomputed from scratch at every position"].fn)
-    assert not scratch.passed and "summed from scratch" in scratch.message and "x3.9" in scratch.message
+    assert not scratch.passed and "summed from scratch" in scratch.message and "x61." in scratch.message
+    for name in ("each chunk of 16 sums its prefix again from position 0",
+                 "each chunk of 64 runs the cumsum again from position 0"):
+        chunks = work_message(task.wrong[name].fn)
+        assert not chunks.passed and "at every chunk, from position 0 again" in chunks.message, name
     matrix = work_message(task.wrong["causal mask on the quadratic form"].fn)
     assert not matrix.passed and "summed from scratch" not in matrix.message
-    assert work_message(_causal_chunks_of(64)).passed
+    assert work_message(_causal_chunks_of(64)).passed and work_message(_causal_chunks_of(128)).passed
