@@ -854,13 +854,18 @@ def _judge_nonfinite(cases, outcomes):
             for index in indices:
                 got = answer(index)
                 if got != expected[index]:
-                    others = [(cases[i], outcomes[i].returned) for i in range(len(cases)) if i != index
-                              and outcomes[i].error is None and not outcomes[i].not_implemented
-                              and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
+                    others = _other_answers(cases, outcomes, index)
                     raise Fail(f"{cases[index].name}: "
                                f"{_diagnose_nonfinite(got, cases[index], expected[index], others)}")
     _check_hooks_removed(checklist, cases, outcomes, "register_forward_hook")
     return checklist.results
+
+
+def _other_answers(cases, outcomes, index):
+    """``(case, answer)`` for every other case that returned a module name or None: what a diagnosis compares with."""
+    return [(cases[i], outcomes[i].returned) for i in range(len(cases)) if i != index
+            and outcomes[i].error is None and not outcomes[i].not_implemented
+            and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
 
 
 def _record_with_hooks(model, x, *, test, use_pre_hook=False):
@@ -1267,9 +1272,7 @@ def _judge_gradient(cases, outcomes):
             for index in indices:
                 got = answer(index)
                 if got != expected[index]:
-                    others = [(cases[i], outcomes[i].returned) for i in range(len(cases)) if i != index
-                              and outcomes[i].error is None and not outcomes[i].not_implemented
-                              and (outcomes[i].returned is None or isinstance(outcomes[i].returned, str))]
+                    others = _other_answers(cases, outcomes, index)
                     raise Fail(f"{cases[index].name}: "
                                f"{_diagnose_gradient(got, cases[index], expected[index], others)}")
     _check_hooks_removed(checklist, cases, outcomes, "register_full_backward_hook")
