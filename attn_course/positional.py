@@ -317,7 +317,8 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, *, base: float = 1000
     angles, their cosines and sines are computed in float64 (float32 on MPS) and the rotation in
     float32 for float16 / bfloat16 ``x`` (in ``x.dtype`` otherwise); only the result is rounded to
     ``x.dtype``. Computing the angles in ``x.dtype`` instead is wrong at long positions: in
-    bfloat16 position 1000 is already rounded to 1000 +- 4 and its angles to several radians.
+    bfloat16 the positions near 1000 are multiples of 4 (1001 becomes 1000, off by up to 2),
+    and the fastest angles are then off by radians.
 
     This is RoFormer's interleaved pairing (Su et al., 2021); some libraries pair ``x[i]`` with ``x[i + D/2]``
     instead, which is the same idea with the features permuted. Because a rotation by

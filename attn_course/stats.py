@@ -160,22 +160,27 @@ class Difference:
         return f"{direction} ({'better' if better else 'worse'})"
 
     def _holm_words(self) -> str:
-        return f"Holm's correction for {self.family_size} comparisons"
+        return f"Holm-adjusted p ({self.family_size} comparisons)"
 
     def claim(self) -> str:
-        """The verdict in words, without machine-dependent figures: stable enough to compare."""
+        """The verdict in words, without machine-dependent figures: stable enough to compare.
+
+        In a Holm family a verdict other than "negligible" is worded by the adjusted p alone (an
+        interval is not adjusted), so the words do not depend on where an end of the unadjusted
+        interval falls.
+        """
         level = f"{self.confidence:.0%}"
         head = f"{self.name_a} vs {self.name_b}:"
         if self.negligible:
             return (f"{head} negligible difference in {self.metric} (the {level} interval lies within "
                     f"+-{self.smallest_effect:g})")
+        if self.adjusted_p is not None:
+            relation = "below" if self.clear else "not below"
+            words = f"no clear difference in {self.metric}" if not self.clear else f"{self.metric} {self.verdict()}"
+            return f"{head} {words}: its {self._holm_words()} is {relation} {self.alpha:g}"
         if self.contains_zero:
             return f"{head} no clear difference in {self.metric} (the {level} interval contains 0)"
-        if not self.clear:
-            return (f"{head} no clear difference in {self.metric} after {self._holm_words()} "
-                    f"(the {level} interval alone excludes 0)")
-        after = f", also after {self._holm_words()}" if self.adjusted_p is not None else ""
-        return f"{head} {self.metric} {self.verdict()}; the {level} interval of the difference excludes 0{after}"
+        return f"{head} {self.metric} {self.verdict()}; the {level} interval of the difference excludes 0"
 
     def shifted(self, delta: float) -> Difference:
         """The same comparison with every difference moved by ``delta`` (the spread unchanged).

@@ -168,8 +168,10 @@ def test_holm_turns_a_lucky_verdict_into_no_clear_difference():
     assert weak.clear and weak.verdict() == "higher (worse)"
     family = holm([weak, strong, *nothing])
     assert family[0].adjusted_p >= 0.05 and family[0].verdict() == "no clear difference"
-    assert "after Holm's correction for 6 comparisons" in family[0].claim()
-    assert family[1].verdict() == "higher (worse)" and "also after Holm's correction" in family[1].claim()
+    assert family[0].claim().endswith("no clear difference in value: its Holm-adjusted p (6 comparisons) is not below 0.05")
+    assert weak.claim().endswith("the 95% interval of the difference excludes 0")  # alone, before the correction
+    assert family[1].verdict() == "higher (worse)"
+    assert family[1].claim().endswith("higher (worse): its Holm-adjusted p (6 comparisons) is below 0.05")
     with pytest.raises(ValueError, match="no p-value"):
         holm([bootstrap_difference([1, 2, 3], [0, 1, 1])])
     with pytest.raises(ValueError, match="same confidence"):
