@@ -132,8 +132,10 @@ class ConformerConfig:
         than the 0.32 s between two presses, so no convolution window holds both presses. The
         first and last frames' windows also see the clip's ends (the depthwise convolution's zero
         padding), which would let a press near an end be placed without attention: the task's
-        ``margin_seconds=0.3`` keeps every press out of those windows (they reach 0.22 s into
-        the clip). Chosen on validation accuracy (not on the test set); lesson 10 measures it,
+        ``margin_seconds=0.3`` keeps presses out of the windows that see the convolution's padding
+        (about 0.22 s from the start, up to 0.30 s from the end, where the subsampling drops up to
+        three trailing frames); the spectrogram's own edge frames reach slightly further, which
+        lesson 10 counts. Chosen on validation accuracy (not on the test set); lesson 10 measures it,
         its ablations and their spread over three seeds on your machine.
         """
         return cls(

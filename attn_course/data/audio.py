@@ -235,7 +235,8 @@ class DTMFDataset:
 #: two presses of 60-120 ms, 0.32-0.45 s apart (more than the 0.31 s of audio that lesson 10's
 #: convolutions see at once), clips of 1.3-1.5 s padded to 1.5 s (76 frames), every press at least
 #: 0.3 s from both ends of its clip (the first and last frames' convolution windows, which also see
-#: the zeros past the ends, reach 0.22 s into the clip: they hold no press), SNR 10-30 dB.
+#: the zeros past the ends, reach about 0.22 s from the start and up to 0.30 s from the end; lesson 10
+#: counts the few presses that the spectrogram's edge frames reach), SNR 10-30 dB.
 DTMF_TASK: dict[str, object] = {
     "presses": (2, 2),
     "clip_seconds": (1.3, 1.5),
