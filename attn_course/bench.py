@@ -66,6 +66,7 @@ __all__ = [
     "attention_variant",
     "attention_flops",
     "measure_peak_memory",
+    "interleaved_times",
     "bench_attention",
     "attention_targets",
     "format_attention_table",
@@ -356,14 +357,21 @@ def measure_peak_memory(
     return _memory_server_handle().measure(request)
 
 
-def _interleaved_times(
-    fns: dict[str, Callable[[], object]], *, device: torch.device, rounds: int, first: dict[str, float] | None = None
-) -> dict[str, float]:
-    """Median seconds per call of each function, measured in interleaved rounds.
+def interleaved_times(
+    fns: dict[str, Callable[[], object]], *, device: torch.device | str, rounds: int,
+    first: dict[str, float] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, one sample per round, measured in interleaved rounds.
 
-    The first call of each warms up and estimates the cost; pass ``first`` (seconds of a call
-    already made) to skip it.
+    Every round times each function once, in a rotating order, so a burst of load from another
+    program hits all of them alike; compare medians, and read the spread of the samples as how
+    much the machine moved while they were taken. The first call of each warms up and sets how
+    many calls make one sample (about 50 ms); pass ``first`` (seconds of a call already made) to
+    skip it.
     """
+    device = torch.device(device)
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     samples: dict[str, list[float]] = {name: [] for name in fns}
     repeats = {}
     for name, fn in fns.items():
@@ -383,6 +391,14 @@ def _interleaved_times(
         for name in names[shift:] + names[:shift]:  # a rotating order, so no variant always goes first
             if len(samples[name]) < rounds:
                 samples[name].append(time_call(fns[name], device=device, warmup=0, repeats=repeats[name]))
+    return samples
+
+
+def _interleaved_times(
+    fns: dict[str, Callable[[], object]], *, device: torch.device, rounds: int, first: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Median seconds per call of each function (see :func:`interleaved_times`)."""
+    samples = interleaved_times(fns, device=device, rounds=rounds, first=first)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -397,7 +413,8 @@ def bench_attention(
 
     Keys: ``device``, ``torch``, ``threads``, ``config``, ``matmul_gflops`` (the median rate),
     ``memory_method``, ``memory_baseline_bytes``, ``points`` (one dict per variant and length:
-    ``time_s``, ``flops``, ``gflops``, ``matmul_gflops``, ``fraction_of_matmul``,
+    ``time_s`` (the median round), ``time_range_s`` (the fastest and slowest round), ``flops``,
+    ``gflops``, ``matmul_gflops``, ``fraction_of_matmul``,
     ``peak_bytes``) and ``targets`` (see :func:`attention_targets`). The matmul rate is that
     of a 2048 x 2048 matmul timed in the same interleaved rounds as each length's variants;
     pass ``matmul_rate`` (GFLOP/s) to use a fixed figure instead.
@@ -433,7 +450,8 @@ def bench_attention(
             fns = {name: (lambda f=attention_variant(name, config): f(q, k, v)) for name in names}
             if matmul_rate is None:
                 fns["matmul"] = lambda: a @ b
-            times = _interleaved_times(fns, device=device, rounds=config.rounds)
+            samples = interleaved_times(fns, device=device, rounds=config.rounds)
+        times = {name: statistics.median(values) for name, values in samples.items()}
         del q, k, v, fns
         rate = matmul_rate if matmul_rate is not None else 2 * size**3 / times["matmul"] / 1e9
         rates.append(rate)
@@ -444,6 +462,7 @@ def bench_attention(
                 "variant": name,
                 "length": length,
                 "time_s": times[name],
+                "time_range_s": [min(samples[name]), max(samples[name])],  # fastest and slowest round
                 "flops": flops,
                 "gflops": gflops,
                 "matmul_gflops": rate,

@@ -19,6 +19,7 @@ from attn_course.bench import (
     attention_variant,
     bench_attention,
     format_attention_table,
+    interleaved_times,
     measure_peak_memory,
     plot_attention_bench,
 )
@@ -60,12 +61,29 @@ def test_bench_structure_without_memory():
     assert rows == {(v, 32) for v in VARIANTS} | {("block_local", 96), ("linear", 96)}  # quadratic ones stop at 64
     for point in results["points"]:
         assert point["time_s"] > 0 and point["peak_bytes"] is None
+        fastest, slowest = point["time_range_s"]
+        assert 0 < fastest <= point["time_s"] <= slowest  # the median round lies between the extremes
         assert point["gflops"] == pytest.approx(point["flops"] / point["time_s"] / 1e9)
         assert point["fraction_of_matmul"] == pytest.approx(point["gflops"] / 10.0)
     assert results["matmul_gflops"] == 10.0 and results["config"]["lengths"] == (32, 96)
     assert [t["passed"] for t in results["targets"]] == [None] * 4  # N=8192 etc. were not measured
     table = format_attention_table(results)
     assert "block-local" in table and "n/a (not measured)" in table and "of matmul" in table
+
+
+def test_interleaved_times_gives_one_sample_per_round_in_a_rotating_order():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    samples = interleaved_times(fns, device="cpu", rounds=4)
+    assert set(samples) == {"a", "b", "c"} and all(len(values) == 4 for values in samples.values())
+    assert all(value > 0 for values in samples.values() for value in values)
+    # After one warm-up call of each, every round times each function once (a run of calls), in an
+    # order that rotates, so that none always runs first.
+    runs = [name for i, name in enumerate(calls[3:]) if i == 0 or calls[3 + i - 1] != name]
+    assert calls[:3] == ["a", "b", "c"]
+    assert runs == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        interleaved_times(fns, device="cpu", rounds=0)
 
 
 def _synthetic(times: dict, peaks: dict) -> dict:
