@@ -52,7 +52,7 @@ from ._checks import check_positive_int
 from .attention import scaled_dot_product_attention
 from .chunked import chunked_attention
 from .linear import linear_attention
-from .measure import peak_memory_bytes, synchronize, time_call
+from .measure import fresh_page_bytes, peak_memory_bytes, synchronize, time_call
 from .multihead import MultiHeadAttention
 from .sparse import sparse_attention
 
@@ -359,7 +359,7 @@ def measure_peak_memory(
 
 def interleaved_times(
     fns: dict[str, Callable[[], object]], *, device: torch.device | str, rounds: int,
-    first: dict[str, float] | None = None,
+    first: dict[str, float] | None = None, fresh_bytes: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each function, one sample per round, measured in interleaved rounds.
 
@@ -367,12 +367,16 @@ def interleaved_times(
     program hits all of them alike; compare medians, and read the spread of the samples as how
     much the machine moved while they were taken. The first call of each warms up and sets how
     many calls make one sample (about 50 ms); pass ``first`` (seconds of a call already made) to
-    skip it.
+    skip it. Pass a dict as ``fresh_bytes`` to have it filled, on the CPU, with each function's
+    fresh pages per call in every round (bytes: see :func:`attn_course.measure.fresh_page_bytes`),
+    counted while the calls were timed.
     """
     device = torch.device(device)
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    if fresh_bytes is not None:
+        fresh_bytes.update({name: [] for name in fns})
     repeats = {}
     for name, fn in fns.items():
         if first is not None and name in first:
@@ -390,7 +394,14 @@ def interleaved_times(
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:  # a rotating order, so no variant always goes first
             if len(samples[name]) < rounds:
-                samples[name].append(time_call(fns[name], device=device, warmup=0, repeats=repeats[name]))
+                sample = lambda: samples[name].append(
+                    time_call(fns[name], device=device, warmup=0, repeats=repeats[name]))
+                if fresh_bytes is not None and device.type == "cpu":
+                    page_bytes = fresh_page_bytes(sample)
+                    if page_bytes is not None:
+                        fresh_bytes[name].append(page_bytes / repeats[name])
+                else:
+                    sample()
     return samples
 
 
@@ -413,7 +424,8 @@ def bench_attention(
 
     Keys: ``device``, ``torch``, ``threads``, ``config``, ``matmul_gflops`` (the median rate),
     ``memory_method``, ``memory_baseline_bytes``, ``points`` (one dict per variant and length:
-    ``time_s`` (the median round), ``time_range_s`` (the fastest and slowest round), ``flops``,
+    ``time_s`` (the median round), ``time_range_s`` (the fastest and slowest round),
+    ``fresh_bytes`` (fresh pages per call while timed, the median round; on the CPU), ``flops``,
     ``gflops``, ``matmul_gflops``, ``fraction_of_matmul``,
     ``peak_bytes``) and ``targets`` (see :func:`attention_targets`). The matmul rate is that
     of a 2048 x 2048 matmul timed in the same interleaved rounds as each length's variants;
@@ -450,7 +462,11 @@ def bench_attention(
             fns = {name: (lambda f=attention_variant(name, config): f(q, k, v)) for name in names}
             if matmul_rate is None:
                 fns["matmul"] = lambda: a @ b
-            samples = interleaved_times(fns, device=device, rounds=config.rounds)
+            fresh_per_round: dict[str, list[float]] = {}
+            samples = interleaved_times(fns, device=device, rounds=config.rounds, fresh_bytes=fresh_per_round)
+        # The median over the rounds of the fresh pages per call, counted while they were timed.
+        fresh = {name: statistics.median(fresh_per_round[name]) if fresh_per_round.get(name) else None
+                 for name in names}
         times = {name: statistics.median(values) for name, values in samples.items()}
         del q, k, v, fns
         rate = matmul_rate if matmul_rate is not None else 2 * size**3 / times["matmul"] / 1e9
@@ -463,6 +479,7 @@ def bench_attention(
                 "length": length,
                 "time_s": times[name],
                 "time_range_s": [min(samples[name]), max(samples[name])],  # fastest and slowest round
+                "fresh_bytes": fresh[name],  # fresh pages per call while timed, median round (None off the CPU)
                 "flops": flops,
                 "gflops": gflops,
                 "matmul_gflops": rate,

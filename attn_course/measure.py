@@ -8,6 +8,8 @@ imports no measuring code, and what times or probes a model lives here (the grad
 * :func:`largest_tensor_bytes`: the largest tensor storage any torch call inside a function
   returned -- deterministic, so lessons print it as checked output;
 * :func:`saved_tensor_bytes`: the bytes autograd keeps for the backward pass -- deterministic too;
+* :func:`fresh_page_bytes`: the memory one call on the CPU received as fresh pages from the
+  operating system (its minor page faults), which must be zeroed before first use;
 * :func:`peak_memory_bytes`: the extra peak memory of one call, measured: the CUDA allocator's
   peak on a GPU, the process's peak resident set on a CPU (Linux's ``VmHWM``, reset before the
   call; ``ru_maxrss`` elsewhere);
@@ -23,6 +25,7 @@ Taught in lesson 04 (the cost of attention); lessons 05-07 and 11 use them (11: 
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import sys
 import time
@@ -47,6 +50,7 @@ __all__ = [
     "largest_tensor_bytes",
     "saved_tensor_bytes",
     "peak_memory_bytes",
+    "fresh_page_bytes",
     "measure_decoding_speed",
 ]
 
@@ -71,6 +75,23 @@ def time_call(fn: Callable[[], object], *, device: torch.device, warmup: int = 3
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def fresh_page_bytes(fn: Callable[[], object]) -> int | None:
+    """Bytes of fresh pages one call of ``fn()`` received from the operating system, on the CPU.
+
+    A page the process has never touched (or has handed back) is zeroed and mapped by the
+    operating system on its first write, a *minor page fault*; this counts them during one call
+    and returns ``faults * page size``. What a call receives depends on what ran before it (the
+    memory allocator reuses freed blocks, or hands large ones back), so call it after the calls
+    you want it to follow. ``None`` where the operating system does not count page faults.
+    With transparent huge pages one fault can map 2 MiB, and the count then reads low.
+    """
+    if resource is None:  # pragma: no cover - Windows
+        return None
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * mmap.PAGESIZE
 
 
 class _LargestStorage(TorchFunctionMode):

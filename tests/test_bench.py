@@ -23,7 +23,7 @@ from attn_course.bench import (
     measure_peak_memory,
     plot_attention_bench,
 )
-from attn_course.measure import largest_tensor_bytes
+from attn_course.measure import fresh_page_bytes, largest_tensor_bytes
 
 TINY = AttentionBenchConfig(lengths=(32, 96), heads=2, head_dim=8, block_size=16, chunk_size=32, rounds=2,
                             max_quadratic_length=64, measure_memory=False)
@@ -63,6 +63,7 @@ def test_bench_structure_without_memory():
         assert point["time_s"] > 0 and point["peak_bytes"] is None
         fastest, slowest = point["time_range_s"]
         assert 0 < fastest <= point["time_s"] <= slowest  # the median round lies between the extremes
+        assert isinstance(point["fresh_bytes"], float) and point["fresh_bytes"] >= 0  # counted on the CPU
         assert point["gflops"] == pytest.approx(point["flops"] / point["time_s"] / 1e9)
         assert point["fraction_of_matmul"] == pytest.approx(point["gflops"] / 10.0)
     assert results["matmul_gflops"] == 10.0 and results["config"]["lengths"] == (32, 96)
@@ -82,6 +83,13 @@ def test_interleaved_times_gives_one_sample_per_round_in_a_rotating_order():
     runs = [name for i, name in enumerate(calls[3:]) if i == 0 or calls[3 + i - 1] != name]
     assert calls[:3] == ["a", "b", "c"]
     assert runs == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    # Asked for, the fresh pages per call of every round, counted while timed: a call that writes a new
+    # 64 MiB tensor each time receives fresh pages, one that allocates nothing receives none to speak of.
+    fresh = {}
+    interleaved_times({"new": lambda: torch.ones(16 * 2**20), "none": lambda: None}, device="cpu", rounds=3,
+                      fresh_bytes=fresh)
+    assert set(fresh) == {"new", "none"} and all(len(values) == 3 for values in fresh.values())
+    assert min(fresh["new"]) >= 16 * 4096 and max(fresh["none"]) < min(fresh["new"]) / 4
     with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
         interleaved_times(fns, device="cpu", rounds=0)
 
@@ -115,6 +123,21 @@ def test_plot_writes_a_png(tmp_path):
     figure = plot_attention_bench(results, path=path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(figure.axes) == 2 and len(figure.axes[0].lines) == len(VARIANTS)
+
+
+def test_fresh_page_bytes_counts_the_pages_a_new_large_tensor_touches():
+    import mmap
+    import sys
+
+    if sys.platform == "win32":
+        assert fresh_page_bytes(lambda: None) is None
+        return
+    kept = []
+    big = fresh_page_bytes(lambda: kept.append(torch.ones(16 * 2**20)))  # 64 MiB, written: fresh from the OS
+    nothing = fresh_page_bytes(lambda: None)
+    # At least 16 faults even where transparent huge pages map 2 MiB per fault (32 of them here).
+    assert big >= 16 * mmap.PAGESIZE and big % mmap.PAGESIZE == 0
+    assert nothing < big / 4
 
 
 def test_largest_tensor_bytes_sees_the_score_matrix():
