@@ -244,9 +244,10 @@ class MaskedBatchNorm1d(nn.BatchNorm1d):
     batch holds (which depends on the longest clip that happens to share the batch). They still
     depend on the other clips' real frames -- that is what batch statistics are.
 
-    This departs from the paper (Gulati et al., 2020), ESPnet and torchaudio, whose
-    convolution module uses a plain ``BatchNorm1d`` over every frame. Lesson 10 shows the
-    difference and measures it.
+    The paper (Gulati et al., 2020) says nothing about padding. Google's Lingvo, the authors'
+    toolkit, does the same as this class (its ``BatchNormLayer`` computes the moments over valid
+    frames only); ESPnet and torchaudio, whose convolution module uses a plain ``BatchNorm1d``
+    over every frame, do not. Lesson 10 shows the difference and measures it.
     """
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
