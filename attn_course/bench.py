@@ -596,7 +596,12 @@ def plot_attention_bench(results: dict, *, path: str | os.PathLike | None = None
     for variant in dict.fromkeys(p["variant"] for p in results["points"]):
         points = [p for p in results["points"] if p["variant"] == variant]
         lengths = [p["length"] for p in points]
-        time_axes.plot(lengths, [p["time_s"] * 1e3 for p in points], marker="o", label=LABELS[variant])
+        line, = time_axes.plot(lengths, [p["time_s"] * 1e3 for p in points], marker="o", label=LABELS[variant])
+        if all("time_range_s" in p for p in points):  # the fastest and slowest round, as a bar around the median
+            low = [(p["time_s"] - p["time_range_s"][0]) * 1e3 for p in points]
+            high = [(p["time_range_s"][1] - p["time_s"]) * 1e3 for p in points]
+            time_axes.errorbar(lengths, [p["time_s"] * 1e3 for p in points], yerr=[low, high], fmt="none",
+                               ecolor=line.get_color(), capsize=3, linewidth=1)
         measured = [(p["length"], p["peak_bytes"] / 2**20) for p in points if p["peak_bytes"]]
         if measured:
             memory_axes.plot(*zip(*measured), marker="o", label=LABELS[variant])
@@ -607,6 +612,8 @@ def plot_attention_bench(results: dict, *, path: str | os.PathLike | None = None
         axes.set_xlabel("sequence length N")
         axes.set_ylabel(ylabel)
         axes.grid(True, which="major", alpha=0.3)
+    if any("time_range_s" in p for p in results["points"]):
+        time_axes.set_title("median round; bar: fastest to slowest round", fontsize="small")
     time_axes.legend(fontsize="small")
     if memory_axes.lines:
         memory_axes.legend(fontsize="small")

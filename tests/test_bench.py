@@ -122,7 +122,9 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "bench.png"
     figure = plot_attention_bench(results, path=path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(figure.axes) == 2 and len(figure.axes[0].lines) == len(VARIANTS)
+    labelled = [line for line in figure.axes[0].lines if not line.get_label().startswith("_")]  # not the bars' caps
+    assert len(figure.axes) == 2 and len(labelled) == len(VARIANTS)
+    assert len(figure.axes[0].collections) == len(VARIANTS)  # one bar per variant: its fastest to slowest round
 
 
 def test_fresh_page_bytes_counts_the_pages_a_new_large_tensor_touches():
