@@ -390,18 +390,17 @@ def interleaved_times(
         if seconds > 1.0:
             samples[name].append(seconds)  # a call this long is its own warm-up: do not pay for it twice
     names = list(fns)
+    counting = fresh_bytes is not None and device.type == "cpu"
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:  # a rotating order, so no variant always goes first
             if len(samples[name]) < rounds:
-                sample = lambda: samples[name].append(
-                    time_call(fns[name], device=device, warmup=0, repeats=repeats[name]))
-                if fresh_bytes is not None and device.type == "cpu":
-                    page_bytes = fresh_page_bytes(sample)
-                    if page_bytes is not None:
-                        fresh_bytes[name].append(page_bytes / repeats[name])
-                else:
-                    sample()
+                def sample(name: str = name) -> None:
+                    samples[name].append(time_call(fns[name], device=device, warmup=0, repeats=repeats[name]))
+
+                page_bytes = fresh_page_bytes(sample) if counting else sample()  # None: not counted
+                if page_bytes is not None:
+                    fresh_bytes[name].append(page_bytes / repeats[name])
     return samples
 
 

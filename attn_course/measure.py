@@ -84,10 +84,12 @@ def fresh_page_bytes(fn: Callable[[], object]) -> int | None:
     operating system on its first write, a *minor page fault*; this counts them during one call
     and returns ``faults * page size``. What a call receives depends on what ran before it (the
     memory allocator reuses freed blocks, or hands large ones back), so call it after the calls
-    you want it to follow. ``None`` where the operating system does not count page faults.
-    With transparent huge pages one fault can map 2 MiB, and the count then reads low.
+    you want it to follow. ``fn`` is called either way; the result is ``None`` where the
+    operating system does not count page faults (Windows). With transparent huge pages one
+    fault can map 2 MiB, and the count then reads low.
     """
-    if resource is None:  # pragma: no cover - Windows
+    if resource is None:  # Windows: no page-fault count, but the call still happens
+        fn()
         return None
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     fn()

@@ -127,19 +127,25 @@ def test_plot_writes_a_png(tmp_path):
     assert len(figure.axes[0].collections) == len(VARIANTS)  # one bar per variant: its fastest to slowest round
 
 
-def test_fresh_page_bytes_counts_the_pages_a_new_large_tensor_touches():
+def test_fresh_page_bytes_counts_the_pages_a_new_large_tensor_touches(monkeypatch):
     import mmap
-    import sys
 
-    if sys.platform == "win32":
-        assert fresh_page_bytes(lambda: None) is None
-        return
+    from attn_course import measure
+
     kept = []
     big = fresh_page_bytes(lambda: kept.append(torch.ones(16 * 2**20)))  # 64 MiB, written: fresh from the OS
     nothing = fresh_page_bytes(lambda: None)
     # At least 16 faults even where transparent huge pages map 2 MiB per fault (32 of them here).
     assert big >= 16 * mmap.PAGESIZE and big % mmap.PAGESIZE == 0
     assert nothing < big / 4
+    # Where the OS counts no page faults (Windows: no `resource` module) the call still happens, and the
+    # timing harness still takes every sample, with no fresh-page counts.
+    monkeypatch.setattr(measure, "resource", None)
+    calls = []
+    assert fresh_page_bytes(lambda: calls.append(1)) is None and calls == [1]
+    fresh = {}
+    samples = interleaved_times({"f": lambda: None}, device="cpu", rounds=3, fresh_bytes=fresh)
+    assert len(samples["f"]) == 3 and fresh == {"f": []}
 
 
 def test_largest_tensor_bytes_sees_the_score_matrix():
